@@ -1,0 +1,32 @@
+"""What the runner knows about an endpoint: one request in, one Completion out (or an error)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    endpoint: str  # "chat" or "completions"
+    body: dict[str, Any]  # the request body, without the streaming fields
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    latency_s: float
+    ttft_s: float | None  # time to the first non-empty content delta (streaming only)
+
+
+class Backend(Protocol):
+    async def complete(self, request: CompletionRequest) -> Completion:
+        """Send one request; raise a batchrun.errors.RequestError subclass on failure."""
+        ...
+
+    async def list_models(self) -> list[str]: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,351 @@
+"""The `batchrun` command: parses options, calls the library, maps errors to exit codes.
+
+The only module that calls anyio.run. No SQL, no HTTP here.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import click
+import orjson
+
+from batchrun import __version__, jobs
+from batchrun.config import PRESETS, RunSpec, load_spec_file
+from batchrun.errors import BatchrunError, FatalError, LedgerError, OutputError, UsageError
+from batchrun.jobs import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_USAGE, Home
+from batchrun.ledger import Ledger
+from batchrun.outputs import FORMATS
+from batchrun.sim import SimConfig, SimModel, SimServer
+from batchrun.status import job_detail, jobs_table, render_detail, render_table
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _say(message: str) -> None:
+    click.echo(f"batchrun: {message}", err=True)
+
+
+def _errors_to_exit_codes(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (UsageError, LedgerError, OutputError) as exc:
+            _say(f"error: {exc}")
+            sys.exit(EXIT_USAGE)
+        except FatalError as exc:
+            _say(f"aborted: {exc}")
+            sys.exit(EXIT_ABORTED)
+        except BatchrunError as exc:
+            _say(f"error: {exc}")
+            sys.exit(EXIT_USAGE)
+        except KeyboardInterrupt:
+            _say("interrupted")
+            sys.exit(EXIT_INTERRUPTED)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class Context:
+    def __init__(self, home: Path, ledger_url: str | None) -> None:
+        self.home = Home.at(home, ledger_url)
+        self._ledger: Ledger | None = None
+
+    @property
+    def ledger(self) -> Ledger:
+        if self._ledger is None:
+            self._ledger = Ledger(self.home.ledger_url)
+        return self._ledger
+
+
+pass_ctx = click.make_pass_decorator(Context)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="batchrun")
+@click.option(
+    "--home",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="BATCHRUN_HOME",
+    default=".",
+    show_default=True,
+    help="Folder holding jobs/ outputs/ logs/.",
+)
+@click.option(
+    "--ledger",
+    "ledger_url",
+    envvar="BATCHRUN_LEDGER",
+    default=None,
+    help="SQLAlchemy URL of the ledger [default: sqlite:///HOME/jobs/ledger.db].",
+)
+@click.pass_context
+def main(ctx: click.Context, home: Path, ledger_url: str | None) -> None:
+    """Push JSONL files of prompts through OpenAI-compatible endpoints, durably."""
+    ctx.obj = Context(home, ledger_url)
+
+
+# --- run options, shared by submit and resume ------------------------------------------------
+
+RUN_OPTIONS: list[Callable[[F], F]] = [
+    click.option(
+        "--spec",
+        "spec_file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="Job spec TOML (the command line wins over it).",
+    ),
+    click.option(
+        "--backend",
+        type=click.Choice(sorted(PRESETS)),
+        help="Server preset: base URL, key variable, quirks.",
+    ),
+    click.option("--base-url", help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1."),
+    click.option("--model", help="Model name [default: the first one the server lists]."),
+    click.option("--api-key-env", help="NAME of the environment variable holding the API key."),
+    click.option("--endpoint", type=click.Choice(["chat", "completions"]), help="[default: chat]"),
+    click.option("--stream/--no-stream", default=None, help="Stream responses [default: on]."),
+    click.option("--concurrency", type=click.IntRange(min=1), help="Requests in flight [16]."),
+    click.option("--max-attempts", type=click.IntRange(min=1), help="Tries per item [5]."),
+    click.option(
+        "--timeout", type=click.FloatRange(min=0, min_open=True), help="Seconds per request [120]."
+    ),
+    click.option(
+        "--outage-grace",
+        type=click.FloatRange(min=0),
+        help="Seconds the endpoint may stay unreachable before the job stops [60].",
+    ),
+    click.option("--max-tokens", type=click.IntRange(min=1), help="Default max_tokens."),
+    click.option("--temperature", type=float, help="Default temperature."),
+    click.option("--top-p", type=float, help="Default top_p."),
+    click.option(
+        "--schema", type=click.Path(dir_okay=False), help="JSON Schema the output must satisfy."
+    ),
+    click.option("--redact", is_flag=True, default=None, help="Keep input text out of the log."),
+    click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
+]
+
+
+def run_options(fn: F) -> F:
+    for option in reversed(RUN_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def _layers(spec_file: Path | None, options: dict[str, Any]) -> list[dict[str, Any]]:
+    layers = [load_spec_file(spec_file)] if spec_file else []
+    layers.append(options)
+    return layers
+
+
+def _run(ctx: Context, name: str, spec: RunSpec, quiet: bool) -> None:
+    ledger, home = ctx.ledger, ctx.home
+    counts = ledger.counts(name)
+    stats = None
+    if counts["pending"] or counts["running"]:
+        stats = anyio.run(functools.partial(jobs.run_job, ledger, home, name, spec, quiet=quiet))
+    else:
+        _say(f"job {name} has nothing left to do")
+    job = ledger.get_job(name)
+    final_spec = RunSpec(**jobs.stored_spec(job)) if job else spec
+    counts, complete = jobs.finish(ledger, home, name, final_spec)
+    output = home.output_path(name) if complete else None
+    _say(jobs.summary_line(name, counts, stats, output))
+    sys.exit(jobs.exit_code(counts, stats))
+
+
+@main.command()
+@click.argument("input_path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--job", "job_name", help="Job name [default: the input file's name].")
+@click.option(
+    "--skip-invalid",
+    is_flag=True,
+    default=None,
+    help="Record bad lines as rejected instead of refusing the file.",
+)
+@click.option("--max-line-bytes", type=click.IntRange(min=1), help="Longest line accepted [1MB].")
+@click.option("--no-run", is_flag=True, help="Load the file into the ledger, send nothing.")
+@run_options
+@pass_ctx
+@_errors_to_exit_codes
+def submit(
+    ctx: Context,
+    /,
+    input_path: Path,
+    job_name: str | None,
+    no_run: bool,
+    quiet: bool,
+    spec_file: Path | None,
+    **options: Any,
+) -> None:
+    """Create a job from INPUT_PATH (JSONL) and run it to the end.
+
+    Submitting the same file under the same job name again resumes that job instead.
+    """
+    name = jobs.check_job_name(job_name or jobs.default_job_name(input_path))
+    ledger = ctx.ledger
+    existing = ledger.get_job(name)
+    spec = jobs.resolve_for_job(existing, *_layers(spec_file, options))
+    if existing is not None:
+        if not jobs.same_input(existing, input_path):
+            raise UsageError(
+                f"job {name!r} exists and was made from a different input "
+                f"({existing.input_path}); use another --job name"
+            )
+        if not quiet:
+            _say(f"job {name} exists for this file; resuming it")
+    else:
+        report = jobs.create_job(ledger, name, input_path, spec)
+        if not quiet:
+            blank = (
+                f", {len(report.blank_lines)} blank line(s) skipped" if report.blank_lines else ""
+            )
+            _say(
+                f"job {name}: loaded {report.accepted} items"
+                f"{f', {report.rejected} rejected' if report.rejected else ''}{blank}"
+            )
+    if no_run:
+        return
+    _run(ctx, name, spec, quiet)
+
+
+@main.command()
+@click.argument("job_name")
+@run_options
+@pass_ctx
+@_errors_to_exit_codes
+def resume(
+    ctx: Context, /, job_name: str, quiet: bool, spec_file: Path | None, **options: Any
+) -> None:
+    """Continue JOB_NAME: every item that has no final record yet."""
+    job = _job(ctx, job_name)
+    spec = jobs.resolve_for_job(job, *_layers(spec_file, options))
+    _run(ctx, job.name, spec, quiet)
+
+
+def _job(ctx: Context, name: str) -> Any:
+    job = ctx.ledger.get_job(name)
+    if job is None:
+        known = ", ".join(j.name for j in ctx.ledger.list_jobs()) or "none"
+        raise UsageError(f"no job named {name!r} in {ctx.home.ledger_url} (jobs: {known})")
+    return job
+
+
+@main.command()
+@click.argument("job_name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_ctx
+@_errors_to_exit_codes
+def status(ctx: Context, job_name: str | None, as_json: bool) -> None:
+    """All jobs, or one job in detail."""
+    if job_name is None:
+        rows = jobs_table(ctx.ledger)
+        click.echo(_dump(rows) if as_json else render_table(rows))
+        return
+    detail = job_detail(ctx.ledger, _job(ctx, job_name))
+    click.echo(_dump(detail) if as_json else render_detail(detail))
+
+
+def _dump(data: Any) -> str:
+    return orjson.dumps(data, option=orjson.OPT_INDENT_2).decode()
+
+
+@main.command()
+@click.argument("job_name")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Where to write [default: HOME/outputs/JOB.jsonl].",
+)
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="native", show_default=True)
+@pass_ctx
+@_errors_to_exit_codes
+def export(ctx: Context, job_name: str, output: Path | None, fmt: str) -> None:
+    """Write JOB_NAME's results file again (one line per input line, input order)."""
+    job = _job(ctx, job_name)
+    path = output or ctx.home.output_path(job.name)
+    spec = RunSpec(**jobs.stored_spec(job))
+    count = jobs.export(ctx.ledger, path, job.name, spec, fmt)
+    _say(f"wrote {count} lines to {path}")
+
+
+@main.command()
+@click.argument("job_name")
+@pass_ctx
+@_errors_to_exit_codes
+def retry(ctx: Context, job_name: str) -> None:
+    """Put JOB_NAME's failed and invalid items back to pending (then run `resume`)."""
+    job = _job(ctx, job_name)
+    count = ctx.ledger.requeue(job.name)
+    _say(f"{count} item(s) of {job.name} back to pending; run `batchrun resume {job.name}`")
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option(
+    "--port",
+    default=8089,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="Port (0 picks a free one and prints it).",
+)
+@click.option("--ttft-ms", default=50.0, show_default=True, help="Time to first token.")
+@click.option("--tpot-ms", default=5.0, show_default=True, help="Time per output token.")
+@click.option(
+    "--prefill-ms-per-token",
+    default=0.0,
+    show_default=True,
+    help="Extra time to first token per prompt token.",
+)
+@click.option("--min-output-tokens", default=8, show_default=True)
+@click.option("--max-output-tokens", default=48, show_default=True)
+@click.option("--model", "models", multiple=True, help="Model name(s) served [sim-1].")
+@click.option("--strict-models", is_flag=True, help="Answer 404 to an unknown model.")
+@click.option("--api-key-env", help="Require the key held in this environment variable.")
+@_errors_to_exit_codes
+def sim(
+    host: str,
+    port: int,
+    ttft_ms: float,
+    tpot_ms: float,
+    prefill_ms_per_token: float,
+    min_output_tokens: int,
+    max_output_tokens: int,
+    models: tuple[str, ...],
+    strict_models: bool,
+    api_key_env: str | None,
+) -> None:
+    """Serve the built-in OpenAI-compatible simulator (synthetic outputs) until stopped."""
+    api_key = None
+    if api_key_env:
+        api_key = os.environ.get(api_key_env)
+        if not api_key:
+            raise UsageError(f"--api-key-env {api_key_env}: that variable is not set")
+    config = SimConfig(
+        ttft_ms=ttft_ms,
+        tpot_ms=tpot_ms,
+        prefill_ms_per_token=prefill_ms_per_token,
+        min_output_tokens=min_output_tokens,
+        max_output_tokens=max_output_tokens,
+        models=models or ("sim-1",),
+        strict_models=strict_models,
+        api_key=api_key,
+    )
+    server = SimServer(SimModel(config))
+
+    def ready(bound: int) -> None:
+        click.echo(f"batchrun sim: serving http://{host}:{bound}/v1 (synthetic outputs)")
+        sys.stdout.flush()
+
+    try:
+        anyio.run(functools.partial(server.serve, host, port, ready))
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        raise UsageError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None

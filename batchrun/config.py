@@ -1,0 +1,200 @@
+"""Job spec: presets, TOML spec files and command-line options merged into one frozen object.
+
+Precedence, lowest first: built-in defaults < backend preset < the spec stored with the job (on
+resume) < a `--spec` TOML file < the command line. The resolved spec is stored with the job so a
+resume runs the same way; it holds the *name* of the API-key variable, never the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchrun.errors import UsageError
+
+ENDPOINT_PATHS = {"chat": "/chat/completions", "completions": "/completions"}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """What a known server needs: where it usually listens, its key variable, its quirks."""
+
+    name: str
+    base_url: str
+    api_key_env: str | None
+    key_required: bool = False
+    stream_options: bool = True  # accepts stream_options: {"include_usage": true}
+    note: str = ""
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset(
+            "vllm",
+            "http://127.0.0.1:8000/v1",
+            "VLLM_API_KEY",
+            note="vllm serve MODEL; key only if started with --api-key",
+        ),
+        Preset(
+            "sglang",
+            "http://127.0.0.1:30000/v1",
+            "SGLANG_API_KEY",
+            note="python -m sglang.launch_server; key only if started with --api-key",
+        ),
+        Preset(
+            "llamacpp",
+            "http://127.0.0.1:8080/v1",
+            "LLAMACPP_API_KEY",
+            note="llama-server or python -m llama_cpp.server; serves one model",
+        ),
+        Preset(
+            "ollama",
+            "http://127.0.0.1:11434/v1",
+            None,
+            note="ollama serve; model names like llama3.2:1b",
+        ),
+        Preset("groq", "https://api.groq.com/openai/v1", "GROQ_API_KEY", key_required=True),
+        Preset("openai", "https://api.openai.com/v1", "OPENAI_API_KEY", key_required=True),
+        Preset(
+            "sim",
+            "http://sim.batchrun.invalid/v1",
+            None,
+            note="in-process simulator; outputs are synthetic",
+        ),
+        Preset("custom", "", None, note="any OpenAI-compatible server given by --base-url"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything that decides how a job's requests are built and sent."""
+
+    backend: str = "custom"
+    base_url: str = ""
+    model: str | None = None
+    api_key_env: str | None = None
+    endpoint: str = "chat"
+    stream: bool = True
+    concurrency: int = 16
+    max_attempts: int = 5
+    timeout: float = 120.0
+    outage_grace: float = 60.0
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    schema: str | None = None
+    skip_invalid: bool = False
+    redact: bool = False
+    max_line_bytes: int = 1_000_000
+    sim_options: dict[str, Any] = field(default_factory=dict)
+
+    def request_defaults(self) -> dict[str, Any]:
+        """Body fields every request gets unless its input line overrides them."""
+        fields = {
+            "model": self.model,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+        }
+        return {k: v for k, v in fields.items() if v is not None}
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def api_key(self) -> str | None:
+        """The key's value, read from the environment at the moment it is needed."""
+        if not self.api_key_env:
+            return None
+        return os.environ.get(self.api_key_env) or None
+
+
+SPEC_FIELDS = {f.name: f for f in dataclasses.fields(RunSpec)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Type-check one option, so a typo in a TOML file fails with its name, not later."""
+    kind = SPEC_FIELDS[name].type
+    if value is None:
+        return None
+    checks: dict[str, tuple[type, ...]] = {
+        "int": (int,),
+        "float": (int, float),
+        "bool": (bool,),
+        "str": (str,),
+    }
+    base = str(kind).split(" |")[0]
+    allowed = checks.get(base)
+    if allowed and (not isinstance(value, allowed) or (base != "bool" and isinstance(value, bool))):
+        raise UsageError(f"option {name!r} must be {base}, got {value!r}")
+    if base == "float":
+        return float(value)
+    return value
+
+
+def load_spec_file(path: Path) -> dict[str, Any]:
+    """Read a job spec TOML; keys are option names (dashes or underscores)."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"spec file not found: {path}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"spec file {path} is not valid TOML: {exc}") from None
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def resolve(*layers: dict[str, Any]) -> RunSpec:
+    """Merge option layers (lowest precedence first; None means 'not given') into a RunSpec."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if value is None:
+                continue
+            if key not in SPEC_FIELDS:
+                raise UsageError(f"unknown option {key!r}")
+            merged[key] = _coerce(key, value)
+
+    backend = merged.get("backend") or ("custom" if merged.get("base_url") else None)
+    if backend is None:
+        raise UsageError(
+            "no endpoint chosen: give --backend NAME (one of "
+            f"{', '.join(sorted(PRESETS))}) or --base-url URL"
+        )
+    preset = PRESETS.get(backend)
+    if preset is None:
+        raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(sorted(PRESETS))}")
+    merged["backend"] = backend
+    if not merged.get("base_url"):
+        if not preset.base_url:
+            raise UsageError("--backend custom needs --base-url")
+        merged["base_url"] = preset.base_url
+    merged["base_url"] = str(merged["base_url"]).rstrip("/")
+    merged.setdefault("api_key_env", preset.api_key_env)
+    spec = RunSpec(**merged)
+    _validate(spec, preset)
+    return spec
+
+
+def _validate(spec: RunSpec, preset: Preset) -> None:
+    if spec.endpoint not in ENDPOINT_PATHS:
+        raise UsageError(f"--endpoint must be chat or completions, got {spec.endpoint!r}")
+    if spec.concurrency < 1:
+        raise UsageError("--concurrency must be at least 1")
+    if spec.max_attempts < 1:
+        raise UsageError("--max-attempts must be at least 1")
+    if spec.timeout <= 0:
+        raise UsageError("--timeout must be positive")
+    if preset.key_required and spec.api_key() is None:
+        raise UsageError(
+            f"backend {preset.name} needs an API key: set the environment variable "
+            f"{spec.api_key_env} (or name another with --api-key-env)"
+        )
+
+
+def preset_for(spec: RunSpec) -> Preset:
+    return PRESETS[spec.backend]

@@ -1,0 +1,116 @@
+"""batchrun's error types.
+
+Errors are classified once, at the boundary where they happen (the backend for HTTP, the reader
+for input, the ledger for storage), so the runner and the CLI only ever branch on these types:
+Transient errors are retried, Permanent ones fail one item, Fatal ones stop the whole job.
+"""
+
+from __future__ import annotations
+
+
+class BatchrunError(Exception):
+    """Root of every error batchrun raises on purpose."""
+
+
+# --- request outcomes -------------------------------------------------------------------------
+
+
+class RequestError(BatchrunError):
+    """A request to the endpoint did not produce a usable completion."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class TransientError(RequestError):
+    """Worth retrying: the same request may succeed later."""
+
+    retry_after: float | None = None
+
+
+class RateLimited(TransientError):
+    """429: the server asked us to slow down, possibly saying for how long."""
+
+    def __init__(
+        self, message: str, *, status: int | None = 429, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message, status=status)
+        self.retry_after = retry_after
+
+
+class Overloaded(TransientError):
+    """5xx, 408 or 409: the server failed this time."""
+
+    def __init__(
+        self, message: str, *, status: int | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message, status=status)
+        self.retry_after = retry_after
+
+
+class RequestTimeout(TransientError):
+    """No complete answer within --timeout."""
+
+
+class ConnectionFailed(TransientError):
+    """The endpoint could not be reached or dropped the connection."""
+
+
+class StreamCut(TransientError):
+    """A streamed answer ended before its final chunk, or a 200 carried no usable body."""
+
+
+class PermanentError(RequestError):
+    """Retrying the same request cannot help; the item fails at once."""
+
+
+class BadRequest(PermanentError):
+    """400/413/422: the server refused this request (e.g. prompt longer than the context)."""
+
+
+class FatalError(RequestError):
+    """The configuration is wrong; every other item would fail the same way, so the job stops."""
+
+
+class AuthFailed(FatalError):
+    """401/403: missing or wrong API key."""
+
+
+class NotFound(FatalError):
+    """404: unknown model or wrong base URL/path."""
+
+
+class EndpointDown(FatalError):
+    """The endpoint stayed unreachable for longer than the outage grace period."""
+
+
+# --- local problems -----------------------------------------------------------------------------
+
+
+class UsageError(BatchrunError):
+    """A problem with how batchrun was invoked or configured (exit code 2)."""
+
+
+class InputError(UsageError):
+    """The input file has bad lines; carries every problem found, by line number."""
+
+    def __init__(self, problems: list[tuple[int, str]], *, path: str = "") -> None:
+        self.problems = problems
+        self.path = path
+        shown = "\n".join(f"  line {line}: {reason}" for line, reason in problems[:50])
+        more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
+        where = f"{path}: " if path else ""
+        super().__init__(f"{where}{len(problems)} bad line(s), nothing was sent:\n{shown}{more}")
+
+
+class JobBusy(UsageError):
+    """Another live process is running this job."""
+
+
+class LedgerError(BatchrunError):
+    """The ledger could not be opened, read or written (disk full, read-only, corrupt)."""
+
+
+class OutputError(BatchrunError):
+    """The results file could not be written; any earlier results file is left untouched."""

@@ -1,0 +1,292 @@
+"""Streaming JSONL reader: detects each line's shape, validates it, and builds its request.
+
+The file is read line by line (never whole), so a million-line input costs the same memory as a
+ten-line one. Every bad line is reported with its number and reason instead of being dropped;
+duplicate ids are caught by the ledger's unique index, which sees the whole file without this
+reader having to remember every id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+
+from batchrun.errors import UsageError
+
+# Top-level fields of a prompt/messages line that are request parameters rather than meta.
+REQUEST_FIELDS = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "seed",
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "user",
+        "min_tokens",
+        "suffix",
+        "echo",
+    }
+)
+BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+BOM = b"\xef\xbb\xbf"
+_READ_CHUNK = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class InputItem:
+    """One valid input line, ready to be stored and sent."""
+
+    line: int
+    item_id: str
+    endpoint: str
+    body: bytes  # the line's own request fields, JSON; job defaults are added at send time
+    digest: str  # sha256 of the canonical request: job defaults + line fields, sorted keys
+    meta: bytes | None  # extra top-level fields, JSON, handed back in the output
+
+
+@dataclass(frozen=True, slots=True)
+class BadLine:
+    line: int
+    reason: str
+
+
+@dataclass
+class ReadStats:
+    blank_lines: list[int] = field(default_factory=list)
+    lines: int = 0
+    file_digest: str = ""
+
+
+def canonical_digest(defaults: dict[str, Any], body: dict[str, Any]) -> str:
+    """sha256 of the request body as it is sent: defaults overridden by the line, keys sorted."""
+    merged = {**defaults, **body} if defaults else body
+    return hashlib.sha256(orjson.dumps(merged, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class InputReader:
+    """Iterates an input file as InputItem / BadLine, gathering stats as it goes."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        endpoint: str = "chat",
+        defaults: dict[str, Any] | None = None,
+        max_line_bytes: int = 1_000_000,
+    ) -> None:
+        self.path = path
+        self.endpoint = endpoint
+        self.defaults = defaults or {}
+        self.max_line_bytes = max_line_bytes
+        self.stats = ReadStats()
+
+    def __iter__(self) -> Iterator[InputItem | BadLine]:
+        try:
+            f = self.path.open("rb")
+        except FileNotFoundError:
+            raise UsageError(f"input file not found: {self.path}") from None
+        except IsADirectoryError:
+            raise UsageError(f"input path is a directory: {self.path}") from None
+        except PermissionError:
+            raise UsageError(f"input file is not readable: {self.path}") from None
+        with f:
+            yield from self._read(f)
+
+    def _read(self, f: IO[bytes]) -> Iterator[InputItem | BadLine]:
+        digest = hashlib.sha256()
+        limit = self.max_line_bytes
+        number = 0
+        while True:
+            raw = f.readline(limit + 1)
+            if not raw:
+                break
+            number += 1
+            digest.update(raw)
+            if len(raw) > limit and not raw.endswith(b"\n"):
+                digest.update(self._skip_rest(f, digest))
+                yield BadLine(number, f"line is longer than the limit of {limit} bytes")
+                continue
+            if number == 1 and raw.startswith(BOM):
+                raw = raw[len(BOM) :]
+            if not raw.strip():
+                self.stats.blank_lines.append(number)
+                continue
+            yield self.parse_line(number, raw)
+        self.stats.lines = number
+        self.stats.file_digest = digest.hexdigest()
+
+    @staticmethod
+    def _skip_rest(f: IO[bytes], digest: Any) -> bytes:
+        """Consume the remainder of an over-long line without holding it in memory."""
+        while True:
+            chunk = f.readline(_READ_CHUNK)
+            if not chunk or chunk.endswith(b"\n"):
+                return chunk
+            digest.update(chunk)
+
+    def parse_line(self, number: int, raw: bytes) -> InputItem | BadLine:
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            return BadLine(number, _json_error_reason(raw, exc))
+        if not isinstance(obj, dict):
+            return BadLine(number, f"expected a JSON object, got {_type_name(obj)}")
+        try:
+            return self._build(number, obj)
+        except _LineProblem as problem:
+            return BadLine(number, str(problem))
+
+    def _build(self, number: int, obj: dict[str, Any]) -> InputItem:
+        if "custom_id" in obj or "body" in obj:
+            endpoint, body, item_id, meta = _batch_shape(obj)
+        else:
+            endpoint, body, item_id, meta = _plain_shape(obj, self.endpoint)
+        if item_id is None:
+            item_id = str(number)
+        try:
+            body_json = orjson.dumps(body)
+            meta_json = orjson.dumps(meta) if meta else None
+        except TypeError as exc:  # e.g. lone surrogates cannot be encoded back
+            raise _LineProblem(f"cannot be re-encoded as JSON: {exc}") from None
+        return InputItem(
+            line=number,
+            item_id=item_id,
+            endpoint=endpoint,
+            body=body_json,
+            digest=canonical_digest(self.defaults, body),
+            meta=meta_json,
+        )
+
+
+class _LineProblem(Exception):
+    """Internal: the reason one line is bad."""
+
+
+def _type_name(value: Any) -> str:
+    names = {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }
+    return names.get(type(value), type(value).__name__)
+
+
+def _json_error_reason(raw: bytes, exc: orjson.JSONDecodeError) -> str:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as ude:
+        return f"not valid UTF-8 (byte {ude.start})"
+    return f"invalid JSON: {exc.msg} (column {exc.colno})"
+
+
+def _item_id(obj: dict[str, Any], key: str) -> str | None:
+    if key not in obj:
+        return None
+    value = obj[key]
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise _LineProblem(f"{key!r} must be a string or an integer, got {_type_name(value)}")
+    text = str(value)
+    if not text.strip():
+        raise _LineProblem(f"{key!r} is empty")
+    return text
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise _LineProblem("'messages' must be a non-empty array")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise _LineProblem(f"messages[{i}] must be an object, got {_type_name(msg)}")
+        if not isinstance(msg.get("role"), str):
+            raise _LineProblem(f"messages[{i}] needs a string 'role'")
+        content = msg.get("content")
+        if not isinstance(content, (str, list)) and not (content is None and "tool_calls" in msg):
+            raise _LineProblem(f"messages[{i}] needs 'content' as a string or an array")
+
+
+def _check_prompt(prompt: Any) -> None:
+    if not isinstance(prompt, str):
+        raise _LineProblem(f"'prompt' must be a string, got {_type_name(prompt)}")
+    if not prompt.strip():
+        raise _LineProblem("'prompt' is empty")
+
+
+def _plain_shape(
+    obj: dict[str, Any], endpoint: str
+) -> tuple[str, dict[str, Any], str | None, dict[str, Any]]:
+    item_id = _item_id(obj, "id")
+    body: dict[str, Any] = {}
+    meta: dict[str, Any] = {}
+    for key, value in obj.items():
+        if key in REQUEST_FIELDS:
+            body[key] = value
+        elif key not in ("id", "prompt", "messages"):
+            meta[key] = value
+    if "messages" in obj:
+        if "prompt" in obj:
+            raise _LineProblem("has both 'prompt' and 'messages'; give one")
+        _check_messages(obj["messages"])
+        if endpoint != "chat":
+            raise _LineProblem("'messages' needs the chat endpoint (job uses completions)")
+        body["messages"] = obj["messages"]
+    elif "prompt" in obj:
+        _check_prompt(obj["prompt"])
+        if endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": obj["prompt"]}]
+        else:
+            body["prompt"] = obj["prompt"]
+    else:
+        raise _LineProblem("no 'prompt', 'messages' or batch 'body' field")
+    return endpoint, body, item_id, meta
+
+
+def _batch_shape(obj: dict[str, Any]) -> tuple[str, dict[str, Any], str | None, dict[str, Any]]:
+    item_id = _item_id(obj, "custom_id")
+    method = obj.get("method", "POST")
+    if method != "POST":
+        raise _LineProblem(f"batch 'method' must be POST, got {method!r}")
+    url = obj.get("url")
+    endpoint = BATCH_URLS.get(url) if isinstance(url, str) else None
+    if endpoint is None:
+        raise _LineProblem(f"batch 'url' must be one of {', '.join(BATCH_URLS)}, got {url!r}")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise _LineProblem(f"batch 'body' must be an object, got {_type_name(body)}")
+    if endpoint == "chat":
+        _check_messages(body.get("messages"))
+    else:
+        _check_prompt(body.get("prompt"))
+    body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    meta = {k: v for k, v in obj.items() if k not in ("custom_id", "method", "url", "body")}
+    return endpoint, body, item_id, meta

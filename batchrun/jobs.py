@@ -1,0 +1,246 @@
+"""A job's life cycle: create or find it, wire its backend, run it, write its results.
+
+This is the library behind the CLI's submit/resume/export/retry; the CLI only parses options,
+calls these functions (the async ones through anyio.run) and maps errors to exit codes.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import orjson
+
+from batchrun.backends import Backend, OpenAICompatBackend
+from batchrun.config import RunSpec, preset_for, resolve
+from batchrun.errors import FatalError, RequestError, UsageError
+from batchrun.inputs import InputReader, file_digest
+from batchrun.ledger import IngestReport, Job, Ledger
+from batchrun.outputs import write_results
+from batchrun.progress import JobLog, Progress
+from batchrun.runner import Runner, RunnerSettings, RunStats
+from batchrun.sim import SimConfig, SimModel, SimTransport
+from batchrun.validate import SchemaCheck, load_schema
+
+JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+SIM_DEFAULTS: dict[str, Any] = {"ttft_ms": 20.0, "tpot_ms": 1.0}
+
+EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_ABORTED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+@dataclass(frozen=True)
+class Home:
+    """The folder that holds jobs/ outputs/ logs/, and the ledger URL."""
+
+    root: Path
+    ledger_url: str
+
+    @classmethod
+    def at(cls, root: Path, ledger_url: str | None) -> Home:
+        root = root.resolve()
+        return cls(root, ledger_url or f"sqlite:///{root / 'jobs' / 'ledger.db'}")
+
+    def output_path(self, job: str) -> Path:
+        return self.root / "outputs" / f"{job}.jsonl"
+
+    def log_path(self, job: str) -> Path:
+        return self.root / "logs" / f"{job}.log"
+
+
+def check_job_name(name: str) -> str:
+    if not JOB_NAME.match(name):
+        raise UsageError(
+            f"job name {name!r} must start with a letter or digit and use only letters, digits, "
+            "'.', '_' and '-' (at most 100 characters)"
+        )
+    return name
+
+
+def default_job_name(input_path: Path) -> str:
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", input_path.stem).strip("-._") or "job"
+    return stem[:100]
+
+
+def stored_spec(job: Job) -> dict[str, Any]:
+    data: dict[str, Any] = orjson.loads(job.spec)
+    return data
+
+
+def spec_json(spec: RunSpec) -> str:
+    return orjson.dumps(spec.to_json()).decode()
+
+
+def create_job(ledger: Ledger, name: str, input_path: Path, spec: RunSpec) -> IngestReport:
+    """Load the input into a new job, all or nothing (bad lines refuse it unless skipped)."""
+    reader = InputReader(
+        input_path,
+        endpoint=spec.endpoint,
+        defaults=spec.request_defaults(),
+        max_line_bytes=spec.max_line_bytes,
+    )
+    report = ledger.create_job(
+        name,
+        input_path=str(input_path.resolve()),
+        input_digest=lambda: reader.stats.file_digest,
+        spec=spec_json(spec),
+        lines=reader,
+        skip_invalid=spec.skip_invalid,
+    )
+    return replace(report, blank_lines=reader.stats.blank_lines)
+
+
+def same_input(job: Job, input_path: Path) -> bool:
+    try:
+        return file_digest(input_path) == job.input_digest
+    except FileNotFoundError:
+        raise UsageError(f"input file not found: {input_path}") from None
+
+
+def resolve_for_job(job: Job | None, *layers: dict[str, Any]) -> RunSpec:
+    base = stored_spec(job) if job else {}
+    return resolve(base, *layers)
+
+
+def build_backend(spec: RunSpec, transport: httpx.AsyncBaseTransport | None = None) -> Backend:
+    if spec.backend == "sim" and transport is None:
+        config = SimConfig(**{**SIM_DEFAULTS, **spec.sim_options})
+        transport = SimTransport(SimModel(config))
+    return OpenAICompatBackend(
+        spec.base_url,
+        api_key=spec.api_key(),
+        timeout=spec.timeout,
+        stream=spec.stream,
+        stream_options=preset_for(spec).stream_options,
+        max_connections=max(spec.concurrency, 1),
+        transport=transport,
+    )
+
+
+async def pick_model(backend: Backend, spec: RunSpec) -> RunSpec:
+    """With no --model, use the one model a local server serves (llama.cpp, vLLM...)."""
+    if spec.model:
+        return spec
+    try:
+        models = await backend.list_models()
+    except FatalError:
+        raise
+    except RequestError as exc:
+        raise FatalError(f"cannot list models at {spec.base_url}: {exc}") from None
+    if not models:
+        raise FatalError(f"{spec.base_url}/models lists no model; give --model")
+    return replace(spec, model=models[0])
+
+
+async def run_job(
+    ledger: Ledger,
+    home: Home,
+    name: str,
+    spec: RunSpec,
+    *,
+    quiet: bool,
+    transport: httpx.AsyncBaseTransport | None = None,
+    settings: RunnerSettings | None = None,
+    handle_signals: bool = True,
+) -> RunStats:
+    """Run every item that is not final yet. Ctrl-C/SIGTERM stop it gracefully."""
+    schema = SchemaCheck(load_schema(spec.schema)) if spec.schema else None
+    backend = build_backend(spec, transport)
+    log = JobLog(home.log_path(name), name, redact=spec.redact)
+    try:
+        try:
+            spec = await pick_model(backend, spec)
+        except FatalError as exc:
+            log.event("abort", error=str(exc), kind=type(exc).__name__)
+            return RunStats(aborted=str(exc))
+        ledger.update_spec(name, spec_json(spec))
+        counts = ledger.counts(name)
+        done_before = sum(counts[s] for s in ("done", "failed", "invalid", "rejected"))
+        progress = Progress(
+            total=sum(counts.values()),
+            initial=done_before,
+            concurrency=spec.concurrency,
+            quiet=quiet,
+        )
+        runner = Runner(
+            ledger,
+            backend,
+            name,
+            spec,
+            log=log,
+            progress=progress,
+            schema=schema,
+            settings=settings,
+        )
+        try:
+            async with anyio.create_task_group() as tg:
+                if handle_signals:
+                    tg.start_soon(_stop_on_signals, runner)
+                stats = await runner.run()
+                tg.cancel_scope.cancel()
+        finally:
+            progress.close()
+        return stats
+    finally:
+        log.close()
+        await backend.aclose()
+
+
+async def _stop_on_signals(runner: Runner) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            runner.request_stop()
+
+
+def finish(ledger: Ledger, home: Home, name: str, spec: RunSpec) -> tuple[dict[str, int], bool]:
+    """After a run: when no item is left to do, mark the job finished and write its results."""
+    counts = ledger.counts(name)
+    complete = counts["pending"] == 0 and counts["running"] == 0
+    if complete:
+        export(ledger, home.output_path(name), name, spec)
+    ledger.mark_finished(name, complete)
+    return counts, complete
+
+
+def export(ledger: Ledger, path: Path, name: str, spec: RunSpec, fmt: str = "native") -> int:
+    return write_results(path, ledger.iter_results(name), fmt=fmt, model=spec.model)
+
+
+def exit_code(counts: dict[str, int], stats: RunStats | None) -> int:
+    left = counts["pending"] + counts["running"]
+    if stats is not None and stats.aborted and left:
+        return EXIT_ABORTED
+    if stats is not None and stats.interrupted and left:
+        return EXIT_INTERRUPTED
+    if left:
+        return EXIT_SOME_FAILED
+    bad = counts["failed"] + counts["invalid"] + counts["rejected"]
+    return EXIT_SOME_FAILED if bad else EXIT_OK
+
+
+def summary_line(
+    name: str, counts: dict[str, int], stats: RunStats | None, output: Path | None
+) -> str:
+    parts = [f"job {name}:"] + [
+        f"{counts[s]} {s}"
+        for s in ("done", "failed", "invalid", "rejected", "pending")
+        if counts[s] or s == "done"
+    ]
+    text = " ".join(parts[:2]) + (", " + ", ".join(parts[2:]) if len(parts) > 2 else "")
+    if stats is not None and stats.requests:
+        secs = max(stats.elapsed, 1e-9)
+        text += (
+            f" | {stats.requests} requests, {stats.retries} retries, {secs:.1f}s, "
+            f"{stats.recorded / secs:.1f} items/s, {stats.output_tokens / secs:,.0f} out tok/s"
+        )
+    if stats is not None and stats.aborted:
+        text += f" | ABORTED: {stats.aborted}"
+    elif stats is not None and stats.interrupted and counts["pending"]:
+        text += " | interrupted; run `batchrun resume " + name + "` to continue"
+    if output is not None:
+        text += f" | results: {output}"
+    return text

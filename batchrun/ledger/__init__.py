@@ -1,0 +1,14 @@
+"""The ledger: the only code that imports SQLAlchemy."""
+
+from batchrun.ledger.schema import FINAL_STATUSES, STATUSES
+from batchrun.ledger.store import ClaimedItem, IngestReport, ItemResult, Job, Ledger
+
+__all__ = [
+    "FINAL_STATUSES",
+    "STATUSES",
+    "ClaimedItem",
+    "IngestReport",
+    "ItemResult",
+    "Job",
+    "Ledger",
+]

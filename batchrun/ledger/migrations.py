@@ -1,0 +1,55 @@
+"""Ordered, idempotent schema migrations.
+
+Each migration has a version number and runs once, in its own transaction, recorded in
+`schema_migrations`; running `migrate` again on an up-to-date ledger changes nothing. A new
+column or index is a new entry at the end of MIGRATIONS, never an edit of an old one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from sqlalchemy import Connection, Engine, select
+
+from batchrun.ledger.schema import items, items_id_unique, items_status, jobs, schema_migrations
+
+
+def _v1_initial(conn: Connection) -> None:
+    jobs.create(conn, checkfirst=True)
+    items.create(conn, checkfirst=True)
+    items_id_unique.create(conn, checkfirst=True)
+    items_status.create(conn, checkfirst=True)
+
+
+MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
+    (1, "initial jobs and items", _v1_initial),
+]
+
+
+def migrate(engine: Engine) -> int:
+    """Bring the ledger to the newest schema; returns how many migrations ran."""
+    with engine.begin() as conn:
+        schema_migrations.create(conn, checkfirst=True)
+    ran = 0
+    for version, name, apply in MIGRATIONS:
+        with engine.begin() as conn:
+            done = conn.execute(
+                select(schema_migrations.c.version).where(schema_migrations.c.version == version)
+            ).first()
+            if done:
+                continue
+            apply(conn)
+            conn.execute(
+                schema_migrations.insert().values(
+                    version=version, name=name, applied_at=time.time()
+                )
+            )
+            ran += 1
+    return ran
+
+
+def current_version(engine: Engine) -> int:
+    with engine.connect() as conn:
+        versions = conn.execute(select(schema_migrations.c.version)).scalars().all()
+    return max(versions, default=0)

@@ -1,0 +1,84 @@
+"""Table definitions of the ledger (SQLAlchemy Core), shared by migrations and the store."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    Column,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    text,
+)
+
+metadata = MetaData()
+
+STATUSES = ("pending", "running", "done", "failed", "invalid", "rejected")
+FINAL_STATUSES = ("done", "failed", "invalid", "rejected")
+
+schema_migrations = Table(
+    "schema_migrations",
+    metadata,
+    Column("version", Integer, primary_key=True),
+    Column("name", String(100), nullable=False),
+    Column("applied_at", Float, nullable=False),
+)
+
+jobs = Table(
+    "jobs",
+    metadata,
+    Column("name", String(200), primary_key=True),
+    Column("input_path", Text, nullable=False),
+    Column("input_digest", String(64), nullable=False),
+    Column("spec", Text, nullable=False),  # resolved RunSpec as JSON; never the API key
+    Column("total", Integer, nullable=False, default=0),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Column("finished_at", Float),
+    # The one live runner of this job: who, where, and when it last proved it was alive.
+    Column("runner_owner", String(64)),
+    Column("runner_pid", Integer),
+    Column("runner_host", String(255)),
+    Column("runner_heartbeat", Float),
+)
+
+items = Table(
+    "items",
+    metadata,
+    Column("job", String(200), primary_key=True),
+    Column("line", Integer, primary_key=True),
+    Column("item_id", Text, nullable=False),
+    Column("endpoint", String(16), nullable=False),
+    Column("body", Text, nullable=False),  # the line's own request fields, JSON
+    Column("digest", String(64), nullable=False),
+    Column("meta", Text),
+    Column("status", String(16), nullable=False),
+    Column("attempts", Integer, nullable=False, default=0),
+    Column("owner", String(64)),
+    Column("lease_expires", Float),
+    Column("latency_ms", Float),
+    Column("ttft_ms", Float),
+    Column("prompt_tokens", Integer),
+    Column("completion_tokens", Integer),
+    Column("finish_reason", String(32)),
+    Column("output", Text),
+    Column("parsed", Text),
+    Column("error", Text),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
+
+# Ids are unique per job among real items; rejected lines may repeat an id (that is why they
+# were rejected) and so are left out of the index.
+items_id_unique = Index(
+    "ix_items_job_item_id",
+    items.c.job,
+    items.c.item_id,
+    unique=True,
+    sqlite_where=text("status != 'rejected'"),
+    postgresql_where=text("status != 'rejected'"),
+)
+items_status = Index("ix_items_job_status_line", items.c.job, items.c.status, items.c.line)

@@ -1,0 +1,523 @@
+"""The ledger's API: jobs, ingest, the job's runner lock, claims with leases, results, stats.
+
+Every write goes through a guard so that nothing is recorded twice: a result lands only on an
+item that is still `running` under the caller's lease, and a job has at most one live runner.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, Engine, and_, bindparam, func, select, update
+from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+
+from batchrun.errors import InputError, JobBusy, LedgerError, UsageError
+from batchrun.inputs import BadLine, InputItem
+from batchrun.ledger.engine import make_engine
+from batchrun.ledger.migrations import migrate
+from batchrun.ledger.schema import STATUSES, items, jobs
+
+INGEST_BATCH = 5000
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    input_path: str
+    input_digest: str
+    spec: str
+    total: int
+    created_at: float
+    updated_at: float
+    finished_at: float | None
+    runner_owner: str | None
+    runner_pid: int | None
+    runner_host: str | None
+    runner_heartbeat: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedItem:
+    line: int
+    item_id: str
+    endpoint: str
+    body: str
+    digest: str
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class ItemResult:
+    """The final record of one item, as the runner hands it to the writer."""
+
+    line: int
+    status: str  # done | failed | invalid
+    attempts: int  # requests sent for this item in this run
+    latency_ms: float | None = None
+    ttft_ms: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    output: str | None = None
+    parsed: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class IngestReport:
+    accepted: int
+    rejected: int
+    blank_lines: list[int] = field(default_factory=list)
+
+
+@contextmanager
+def _storage_errors(action: str) -> Iterator[None]:
+    """Turn driver errors into one clear LedgerError (disk full, read-only, corrupt...)."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except OperationalError as exc:
+        raise LedgerError(f"ledger error while {action}: {exc.orig}") from None
+    except SQLAlchemyError as exc:
+        raise LedgerError(f"ledger error while {action}: {exc}") from None
+
+
+class Ledger:
+    def __init__(self, url: str, engine: Engine | None = None) -> None:
+        self.url = url
+        with _storage_errors("opening the ledger"):
+            self.engine = engine or make_engine(url)
+            migrate(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # --- jobs ------------------------------------------------------------------------------
+
+    def get_job(self, name: str) -> Job | None:
+        with _storage_errors("reading a job"), self.engine.connect() as conn:
+            row = conn.execute(select(jobs).where(jobs.c.name == name)).mappings().first()
+        return Job(**row) if row else None
+
+    def list_jobs(self) -> list[Job]:
+        with _storage_errors("listing jobs"), self.engine.connect() as conn:
+            rows = conn.execute(select(jobs).order_by(jobs.c.created_at)).mappings().all()
+        return [Job(**r) for r in rows]
+
+    def update_spec(self, name: str, spec: str) -> None:
+        with _storage_errors("updating a job"), self.engine.begin() as conn:
+            conn.execute(
+                update(jobs).where(jobs.c.name == name).values(spec=spec, updated_at=time.time())
+            )
+
+    def mark_finished(self, name: str, finished: bool) -> None:
+        now = time.time()
+        with _storage_errors("updating a job"), self.engine.begin() as conn:
+            conn.execute(
+                update(jobs)
+                .where(jobs.c.name == name)
+                .values(finished_at=now if finished else None, updated_at=now)
+            )
+
+    def create_job(
+        self,
+        name: str,
+        *,
+        input_path: str,
+        input_digest: str | Callable[[], str],
+        spec: str,
+        lines: Iterable[InputItem | BadLine],
+        skip_invalid: bool,
+    ) -> IngestReport:
+        """Create the job and load every line in one transaction: all of it, or nothing.
+
+        Without skip_invalid, any bad line (duplicate ids included) rolls everything back and
+        raises InputError listing every problem found. `input_digest` may be a callable, read
+        after `lines` is exhausted, so a streaming reader can hash the file as it goes.
+        """
+        now = time.time()
+        problems: list[tuple[int, str]] = []
+        accepted = rejected = 0
+        with _storage_errors("loading the input"), self.engine.connect() as conn, conn.begin():
+            conn.execute(
+                jobs.insert().values(
+                    name=name,
+                    input_path=input_path,
+                    input_digest="",
+                    spec=spec,
+                    total=0,
+                    created_at=now,
+                    updated_at=now,
+                )
+            )
+            batch: list[dict[str, Any]] = []
+            for entry in lines:
+                if isinstance(entry, BadLine):
+                    problems.append((entry.line, entry.reason))
+                    if skip_invalid:
+                        batch.append(
+                            _rejected_row(name, entry.line, str(entry.line), entry.reason, now)
+                        )
+                else:
+                    batch.append(_pending_row(name, entry, now))
+                if len(batch) >= INGEST_BATCH:
+                    accepted, rejected = self._insert_batch(
+                        conn, batch, problems, skip_invalid, accepted, rejected
+                    )
+                    batch = []
+            if batch:
+                accepted, rejected = self._insert_batch(
+                    conn, batch, problems, skip_invalid, accepted, rejected
+                )
+            # Raising inside the transaction rolls all of it back: no job, no items.
+            if problems and not skip_invalid:
+                problems.sort()
+                raise InputError(problems, path=input_path)
+            if accepted + rejected == 0:
+                raise UsageError(f"{input_path}: no items (the file is empty or only blank lines)")
+            digest = input_digest() if callable(input_digest) else input_digest
+            conn.execute(
+                update(jobs)
+                .where(jobs.c.name == name)
+                .values(total=accepted + rejected, input_digest=digest)
+            )
+        return IngestReport(accepted=accepted, rejected=rejected)
+
+    def _insert_batch(
+        self,
+        conn: Connection,
+        batch: list[dict[str, Any]],
+        problems: list[tuple[int, str]],
+        skip_invalid: bool,
+        accepted: int,
+        rejected: int,
+    ) -> tuple[int, int]:
+        n_rejected = sum(1 for row in batch if row["status"] == "rejected")
+        try:
+            with conn.begin_nested():
+                conn.execute(items.insert(), batch)
+            return accepted + len(batch) - n_rejected, rejected + n_rejected
+        except IntegrityError:
+            pass
+        # Rare path: some id in this batch repeats an earlier one. Insert row by row to find it.
+        for row in batch:
+            try:
+                with conn.begin_nested():
+                    conn.execute(items.insert(), row)
+                if row["status"] == "rejected":
+                    rejected += 1
+                else:
+                    accepted += 1
+            except IntegrityError:
+                first = conn.execute(
+                    select(items.c.line).where(
+                        items.c.job == row["job"],
+                        items.c.item_id == row["item_id"],
+                        items.c.status != "rejected",
+                    )
+                ).scalar()
+                reason = f"duplicate id {row['item_id']!r} (first on line {first})"
+                problems.append((row["line"], reason))
+                if skip_invalid:
+                    with conn.begin_nested():
+                        conn.execute(items.insert(), {**row, "status": "rejected", "error": reason})
+                    rejected += 1
+        return accepted, rejected
+
+    # --- the job's runner lock ---------------------------------------------------------------
+
+    def acquire(self, name: str, owner: str, *, ttl: float) -> int:
+        """Become the job's only runner; reclaim the leases a dead runner left behind.
+
+        A runner is dead when its heartbeat is older than `ttl`, or when it ran on this host and
+        its process is gone (so a resume right after kill -9 need not wait). Returns how many
+        items were put back to pending. Raises JobBusy if a live runner holds the job.
+        """
+        now = time.time()
+        host = socket.gethostname()
+        with _storage_errors("locking the job"), self.engine.begin() as conn:
+            job = conn.execute(select(jobs).where(jobs.c.name == name)).mappings().one()
+            holder = job["runner_owner"]
+            if holder and holder != owner and _runner_alive(job, now, ttl, host):
+                raise JobBusy(
+                    f"job {name!r} is being run by process {job['runner_pid']} on "
+                    f"{job['runner_host']} (heartbeat {now - job['runner_heartbeat']:.0f}s ago); "
+                    "wait for it to finish or stop it first"
+                )
+            conn.execute(
+                update(jobs)
+                .where(jobs.c.name == name)
+                .values(
+                    runner_owner=owner,
+                    runner_pid=os.getpid(),
+                    runner_host=host,
+                    runner_heartbeat=now,
+                    updated_at=now,
+                )
+            )
+            reclaimed = conn.execute(
+                update(items)
+                .where(items.c.job == name, items.c.status == "running")
+                .values(status="pending", owner=None, lease_expires=None, updated_at=now)
+            ).rowcount
+        return int(reclaimed)
+
+    def heartbeat(self, name: str, owner: str, *, lease_ttl: float) -> None:
+        now = time.time()
+        with _storage_errors("renewing leases"), self.engine.begin() as conn:
+            conn.execute(
+                update(jobs)
+                .where(jobs.c.name == name, jobs.c.runner_owner == owner)
+                .values(runner_heartbeat=now)
+            )
+            conn.execute(
+                update(items)
+                .where(items.c.job == name, items.c.owner == owner, items.c.status == "running")
+                .values(lease_expires=now + lease_ttl)
+            )
+
+    def release(self, name: str, owner: str) -> int:
+        """Give the job up: unfinished claims go back to pending. Returns how many."""
+        now = time.time()
+        with _storage_errors("releasing the job"), self.engine.begin() as conn:
+            back = conn.execute(
+                update(items)
+                .where(items.c.job == name, items.c.owner == owner, items.c.status == "running")
+                .values(status="pending", owner=None, lease_expires=None, updated_at=now)
+            ).rowcount
+            conn.execute(
+                update(jobs)
+                .where(jobs.c.name == name, jobs.c.runner_owner == owner)
+                .values(runner_owner=None, runner_pid=None, runner_heartbeat=None, updated_at=now)
+            )
+        return int(back)
+
+    # --- items ------------------------------------------------------------------------------
+
+    def claim(self, name: str, owner: str, limit: int, *, lease_ttl: float) -> list[ClaimedItem]:
+        """Lease up to `limit` pending items, lowest line first."""
+        now = time.time()
+        pending = (
+            select(items.c.line)
+            .where(items.c.job == name, items.c.status == "pending")
+            .order_by(items.c.line)
+            .limit(limit)
+            .scalar_subquery()
+        )
+        stmt = (
+            update(items)
+            .where(items.c.job == name, items.c.line.in_(pending))
+            .values(status="running", owner=owner, lease_expires=now + lease_ttl, updated_at=now)
+            .returning(
+                items.c.line,
+                items.c.item_id,
+                items.c.endpoint,
+                items.c.body,
+                items.c.digest,
+                items.c.attempts,
+            )
+        )
+        with _storage_errors("claiming items"), self.engine.begin() as conn:
+            rows = conn.execute(stmt).all()
+        claimed = [ClaimedItem(*row) for row in rows]
+        claimed.sort(key=lambda c: c.line)
+        return claimed
+
+    def record(self, name: str, owner: str, results: list[ItemResult]) -> int:
+        """Commit a group of results in one transaction. Returns how many rows changed.
+
+        The guard (still running, still ours) makes a late or duplicate result a no-op.
+        """
+        if not results:
+            return 0
+        now = time.time()
+        stmt = (
+            update(items)
+            .where(
+                and_(
+                    items.c.job == name,
+                    items.c.line == bindparam("b_line"),
+                    items.c.status == "running",
+                    items.c.owner == owner,
+                )
+            )
+            .values(
+                status=bindparam("b_status"),
+                attempts=items.c.attempts + bindparam("b_attempts"),
+                owner=None,
+                lease_expires=None,
+                updated_at=now,
+                latency_ms=bindparam("b_latency_ms"),
+                ttft_ms=bindparam("b_ttft_ms"),
+                prompt_tokens=bindparam("b_prompt_tokens"),
+                completion_tokens=bindparam("b_completion_tokens"),
+                finish_reason=bindparam("b_finish_reason"),
+                output=bindparam("b_output"),
+                parsed=bindparam("b_parsed"),
+                error=bindparam("b_error"),
+            )
+        )
+        params = [{f"b_{k}": getattr(r, k) for k in ItemResult.__slots__} for r in results]
+        with _storage_errors("recording results"), self.engine.begin() as conn:
+            return int(conn.execute(stmt, params).rowcount)
+
+    def requeue(self, name: str, statuses: tuple[str, ...] = ("failed", "invalid")) -> int:
+        """Put finished-but-unsuccessful items back to pending (the `retry` command)."""
+        now = time.time()
+        with _storage_errors("re-queueing items"), self.engine.begin() as conn:
+            count = conn.execute(
+                update(items)
+                .where(items.c.job == name, items.c.status.in_(statuses))
+                .values(
+                    status="pending",
+                    error=None,
+                    output=None,
+                    parsed=None,
+                    finish_reason=None,
+                    updated_at=now,
+                )
+            ).rowcount
+            if count:
+                conn.execute(
+                    update(jobs).where(jobs.c.name == name).values(finished_at=None, updated_at=now)
+                )
+        return int(count)
+
+    def counts(self, name: str) -> dict[str, int]:
+        with _storage_errors("counting items"), self.engine.connect() as conn:
+            rows = conn.execute(
+                select(items.c.status, func.count())
+                .where(items.c.job == name)
+                .group_by(items.c.status)
+            ).all()
+        found = {status: int(n) for status, n in rows}
+        return {s: found.get(s, 0) for s in STATUSES}
+
+    def iter_results(self, name: str, batch: int = 2000) -> Iterator[dict[str, Any]]:
+        """Every item of the job in input order, streamed in pages (constant memory)."""
+        last = 0
+        while True:
+            with _storage_errors("reading results"), self.engine.connect() as conn:
+                rows = (
+                    conn.execute(
+                        select(items)
+                        .where(items.c.job == name, items.c.line > last)
+                        .order_by(items.c.line)
+                        .limit(batch)
+                    )
+                    .mappings()
+                    .all()
+                )
+            if not rows:
+                return
+            yield from (dict(r) for r in rows)
+            last = rows[-1]["line"]
+
+    def item_stats(self, name: str) -> dict[str, Any]:
+        """Token totals and latency percentiles of done items, for `status`."""
+        with _storage_errors("reading stats"), self.engine.connect() as conn:
+            totals = conn.execute(
+                select(
+                    func.sum(items.c.prompt_tokens),
+                    func.sum(items.c.completion_tokens),
+                    func.sum(items.c.attempts),
+                ).where(items.c.job == name)
+            ).one()
+            latencies: list[float] = list(
+                conn.execute(
+                    select(items.c.latency_ms)
+                    .where(
+                        items.c.job == name,
+                        items.c.status == "done",
+                        items.c.latency_ms.is_not(None),
+                    )
+                    .order_by(items.c.latency_ms)
+                )
+                .scalars()
+                .all()
+            )
+            errors = conn.execute(
+                select(items.c.error, func.count().label("n"))
+                .where(items.c.job == name, items.c.error.is_not(None))
+                .group_by(items.c.error)
+                .order_by(func.count().desc())
+                .limit(5)
+            ).all()
+        return {
+            "prompt_tokens": int(totals[0] or 0),
+            "completion_tokens": int(totals[1] or 0),
+            "attempts": int(totals[2] or 0),
+            "latency_ms": {
+                "p50": _percentile(latencies, 0.50),
+                "p95": _percentile(latencies, 0.95),
+                "p99": _percentile(latencies, 0.99),
+            },
+            "top_errors": [{"error": e, "count": int(n)} for e, n in errors],
+        }
+
+
+def _percentile(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return float(sorted_values[index])
+
+
+def _runner_alive(job: Any, now: float, ttl: float, host: str) -> bool:
+    beat = job["runner_heartbeat"]
+    if beat is None or now - beat > ttl:
+        return False
+    if job["runner_host"] == host and job["runner_pid"]:
+        return _pid_alive(int(job["runner_pid"]))
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _pending_row(job: str, item: InputItem, now: float) -> dict[str, Any]:
+    return {
+        "job": job,
+        "line": item.line,
+        "item_id": item.item_id,
+        "endpoint": item.endpoint,
+        "body": item.body.decode(),
+        "digest": item.digest,
+        "meta": item.meta.decode() if item.meta else None,
+        "status": "pending",
+        "attempts": 0,
+        "error": None,
+        "created_at": now,
+        "updated_at": now,
+    }
+
+
+def _rejected_row(job: str, line: int, item_id: str, reason: str, now: float) -> dict[str, Any]:
+    return {
+        "job": job,
+        "line": line,
+        "item_id": item_id,
+        "endpoint": "",
+        "body": "null",
+        "digest": "",
+        "meta": None,
+        "status": "rejected",
+        "attempts": 0,
+        "error": reason,
+        "created_at": now,
+        "updated_at": now,
+    }

@@ -1,0 +1,114 @@
+"""The progress bar (stderr, terminals only) and the job log (JSON lines, one per attempt/event).
+
+The log answers "what happened to line 48,213 last night" without opening the ledger. Attempt
+lines are buffered and flushed with each group commit; job events are flushed at once.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+from tqdm import tqdm
+
+SUMMARY_CHARS = 80
+
+
+def _now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+def input_summary(body: dict[str, Any]) -> str:
+    """A short view of what was asked: the last message's text, or the prompt."""
+    value: Any = body.get("prompt")
+    messages = body.get("messages")
+    if value is None and isinstance(messages, list) and messages:
+        last = messages[-1]
+        value = last.get("content") if isinstance(last, dict) else None
+    if value is None:
+        value = ""
+    raw = value if isinstance(value, str) else orjson.dumps(value).decode()
+    text = " ".join(raw.split())
+    return text if len(text) <= SUMMARY_CHARS else text[: SUMMARY_CHARS - 1] + "…"
+
+
+class JobLog:
+    def __init__(self, path: Path, job: str, *, redact: bool = False) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[bytes] = path.open("ab")
+        self.job = job
+        self.redact = redact
+        self._pending: list[bytes] = []
+
+    def _line(self, record: dict[str, Any]) -> bytes:
+        return orjson.dumps({"time": _now_iso(), "job": self.job, **record}) + b"\n"
+
+    def event(self, event: str, **fields: Any) -> None:
+        self._pending.append(self._line({"event": event, **fields}))
+        self.flush()
+
+    def attempt(
+        self,
+        *,
+        item_id: str,
+        line: int,
+        digest: str,
+        summary: str | None,
+        attempt: int,
+        **fields: Any,
+    ) -> None:
+        record: dict[str, Any] = {
+            "event": "attempt",
+            "id": item_id,
+            "line": line,
+            "digest": digest,
+            "attempt": attempt,
+        }
+        if not self.redact and summary is not None:
+            record["input"] = summary
+        record.update(fields)
+        self._pending.append(self._line(record))
+
+    def flush(self) -> None:
+        if self._pending:
+            self._file.write(b"".join(self._pending))
+            self._pending.clear()
+            self._file.flush()
+
+    def close(self) -> None:
+        self.flush()
+        self._file.close()
+
+
+class Progress:
+    """A tqdm bar with req/s, output tok/s, concurrency, retries and failures; or nothing."""
+
+    def __init__(self, *, total: int, initial: int, concurrency: int, quiet: bool) -> None:
+        enabled = not quiet and sys.stderr.isatty()
+        self._bar = tqdm(
+            total=total,
+            initial=initial,
+            unit="req",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            disable=not enabled,
+            smoothing=0.1,
+        )
+        self._started = time.monotonic()
+        self.concurrency = concurrency
+
+    def update(self, *, newly_done: int, tokens: int, retries: int, failed: int) -> None:
+        elapsed = max(1e-9, time.monotonic() - self._started)
+        self._bar.set_postfix_str(
+            f"{tokens / elapsed:,.0f} tok/s, conc {self.concurrency}, "
+            f"retries {retries}, failed {failed}",
+            refresh=False,
+        )
+        self._bar.update(newly_done)
+
+    def close(self) -> None:
+        self._bar.close()

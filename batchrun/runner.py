@@ -1,0 +1,320 @@
+"""The pipeline: claim -> worker pool -> retry(backend) -> validate -> group-committed writes.
+
+One feeder leases pending items in small batches and hands them to N workers through a bounded
+channel; workers send results to one writer, which commits them in groups at most
+`commit_interval` seconds old. Stopping (Ctrl-C, SIGTERM, or a fatal endpoint error) never
+cancels the writer: workers stop taking items, in-flight requests get `drain_timeout` to finish,
+what finished is committed, and unfinished claims go back to pending for `resume`.
+
+Knows only the Backend protocol and the Ledger's API; ledger calls run in a worker thread, one
+at a time, so the event loop never blocks on disk.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+import orjson
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
+
+from batchrun.backends import Backend, Completion, CompletionRequest
+from batchrun.config import RunSpec
+from batchrun.errors import FatalError, RequestError
+from batchrun.ledger import ClaimedItem, ItemResult, Ledger
+from batchrun.progress import JobLog, Progress, input_summary
+from batchrun.retry import OutageWatch, RetryPolicy, Sleep
+from batchrun.validate import SchemaCheck
+
+T = TypeVar("T")
+
+MAX_GROUP = 1000  # results per commit at most
+
+
+@dataclass
+class RunStats:
+    reclaimed: int = 0
+    recorded: int = 0
+    by_status: dict[str, int] = field(default_factory=dict)
+    requests: int = 0
+    retries: int = 0
+    output_tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+    elapsed: float = 0.0
+    aborted: str | None = None  # the fatal error that stopped the job
+    interrupted: bool = False
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    lease_ttl: float = 60.0
+    commit_interval: float = 0.2
+    drain_timeout: float = 10.0
+    retry_sleep: Sleep = anyio.sleep
+    clock: Callable[[], float] = time.monotonic
+
+
+class Runner:
+    def __init__(
+        self,
+        ledger: Ledger,
+        backend: Backend,
+        job: str,
+        spec: RunSpec,
+        *,
+        log: JobLog,
+        progress: Progress | None = None,
+        schema: SchemaCheck | None = None,
+        settings: RunnerSettings | None = None,
+    ) -> None:
+        self.ledger = ledger
+        self.backend = backend
+        self.job = job
+        self.spec = spec
+        self.log = log
+        self.progress = progress
+        self.schema = schema
+        self.settings = settings or RunnerSettings()
+        self.owner = uuid.uuid4().hex
+        self.stats = RunStats()
+        self.defaults = spec.request_defaults()
+        self.outage = OutageWatch(spec.outage_grace, clock=self.settings.clock)
+        self.policy = RetryPolicy(spec.max_attempts, self.outage, sleep=self.settings.retry_sleep)
+        self._db_lock = anyio.CapacityLimiter(1)
+        self._stopping = anyio.Event()
+        self._workers_scope: anyio.CancelScope | None = None
+
+    # --- control --------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Ctrl-C / SIGTERM: stop taking work; in-flight requests get a short grace.
+
+        A second call stops in-flight requests at once (what finished is still committed)."""
+        if self._stopping.is_set() and self._workers_scope is not None:
+            self._workers_scope.cancel()
+        self.stats.interrupted = True
+        self._stopping.set()
+
+    def _abort(self, error: FatalError) -> None:
+        if self.stats.aborted is None:
+            self.stats.aborted = str(error)
+            self.log.event("abort", error=str(error), kind=type(error).__name__)
+        self._stopping.set()
+
+    async def _db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs), limiter=self._db_lock)
+
+    # --- the run --------------------------------------------------------------------------
+
+    async def run(self) -> RunStats:
+        s = self.settings
+        self.stats.reclaimed = await self._db(
+            self.ledger.acquire, self.job, self.owner, ttl=s.lease_ttl
+        )
+        self.log.event(
+            "run_started",
+            owner=self.owner,
+            reclaimed=self.stats.reclaimed,
+            concurrency=self.spec.concurrency,
+            backend=self.spec.backend,
+            model=self.spec.model,
+        )
+        try:
+            results_send, results_recv = anyio.create_memory_object_stream[ItemResult](math.inf)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._writer, results_recv)
+                async with anyio.create_task_group() as side:
+                    side.start_soon(self._heartbeat)
+                    side.start_soon(self._drain_on_stop)
+                    await self._run_workers(results_send)
+                    side.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                back = await self._db(self.ledger.release, self.job, self.owner)
+                self.stats.elapsed = time.monotonic() - self.stats.started
+                self.log.event(
+                    "run_stopped",
+                    released=back,
+                    recorded=self.stats.recorded,
+                    requests=self.stats.requests,
+                    retries=self.stats.retries,
+                    aborted=self.stats.aborted,
+                    interrupted=self.stats.interrupted,
+                    elapsed_s=round(self.stats.elapsed, 3),
+                )
+        return self.stats
+
+    async def _run_workers(self, results_send: MemoryObjectSendStream[ItemResult]) -> None:
+        work_send, work_recv = anyio.create_memory_object_stream[ClaimedItem](self.spec.concurrency)
+        async with anyio.create_task_group() as workers:
+            self._workers_scope = workers.cancel_scope
+            workers.start_soon(self._feeder, work_send)
+            async with work_recv, results_send:
+                for _ in range(self.spec.concurrency):
+                    workers.start_soon(self._worker, work_recv.clone(), results_send.clone())
+
+    async def _drain_on_stop(self) -> None:
+        await self._stopping.wait()
+        await anyio.sleep(self.settings.drain_timeout)
+        if self._workers_scope is not None:
+            self._workers_scope.cancel()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await anyio.sleep(self.settings.lease_ttl / 3)
+            await self._db(
+                self.ledger.heartbeat, self.job, self.owner, lease_ttl=self.settings.lease_ttl
+            )
+
+    async def _feeder(self, send: ObjectSendStream[ClaimedItem]) -> None:
+        batch_size = max(8, min(256, self.spec.concurrency * 2))
+        async with send:
+            while not self._stopping.is_set():
+                batch = await self._db(
+                    self.ledger.claim,
+                    self.job,
+                    self.owner,
+                    batch_size,
+                    lease_ttl=self.settings.lease_ttl,
+                )
+                if not batch:
+                    return
+                for item in batch:
+                    if self._stopping.is_set():
+                        return  # claimed but unsent items are released at the end
+                    await send.send(item)
+
+    async def _worker(
+        self, work: ObjectReceiveStream[ClaimedItem], results: ObjectSendStream[ItemResult]
+    ) -> None:
+        async with work, results:
+            async for item in work:
+                if self._stopping.is_set():
+                    continue  # left running; released to pending when the run ends
+                result = await self._process(item)
+                if result is not None:
+                    await results.send(result)
+
+    async def _process(self, item: ClaimedItem) -> ItemResult | None:
+        line_body = orjson.loads(item.body)
+        body = {**self.defaults, **line_body}
+        request = CompletionRequest(item.endpoint, body)
+        summary = None if self.log.redact else input_summary(body)
+        attempts = 0
+
+        async def attempt() -> Completion:
+            nonlocal attempts
+            attempts += 1
+            self.stats.requests += 1
+            if attempts > 1:
+                self.stats.retries += 1
+            try:
+                completion = await self.backend.complete(request)
+            except RequestError as exc:
+                self.log.attempt(
+                    item_id=item.item_id,
+                    line=item.line,
+                    digest=item.digest,
+                    summary=summary,
+                    attempt=item.attempts + attempts,
+                    status="error",
+                    http_status=exc.status,
+                    error_kind=type(exc).__name__,
+                    error=str(exc),
+                )
+                raise
+            self.log.attempt(
+                item_id=item.item_id,
+                line=item.line,
+                digest=item.digest,
+                summary=summary,
+                attempt=item.attempts + attempts,
+                status="ok",
+                latency_ms=round(completion.latency_s * 1000, 1),
+                ttft_ms=_ms(completion.ttft_s),
+                prompt_tokens=completion.prompt_tokens,
+                completion_tokens=completion.completion_tokens,
+                finish_reason=completion.finish_reason,
+            )
+            return completion
+
+        try:
+            completion = await self.policy.call(attempt)
+        except FatalError as exc:
+            self._abort(exc)
+            return None
+        except RequestError as exc:
+            return ItemResult(line=item.line, status="failed", attempts=attempts, error=str(exc))
+        return self._result(item, attempts, completion)
+
+    def _result(self, item: ClaimedItem, attempts: int, c: Completion) -> ItemResult:
+        status, parsed, error = "done", None, None
+        if self.schema is not None:
+            verdict = self.schema.check(c.text, c.finish_reason)
+            status = "done" if verdict.ok else "invalid"
+            parsed, error = verdict.parsed, verdict.error
+        self.stats.output_tokens += c.completion_tokens or 0
+        return ItemResult(
+            line=item.line,
+            status=status,
+            attempts=attempts,
+            latency_ms=c.latency_s * 1000,
+            ttft_ms=_ms(c.ttft_s),
+            prompt_tokens=c.prompt_tokens,
+            completion_tokens=c.completion_tokens,
+            finish_reason=c.finish_reason,
+            output=c.text,
+            parsed=parsed,
+            error=error,
+        )
+
+    async def _writer(self, results: ObjectReceiveStream[ItemResult]) -> None:
+        clock = self.settings.clock
+        group: list[ItemResult] = []
+        oldest = 0.0
+        async with results:
+            while True:
+                if group and (
+                    len(group) >= MAX_GROUP or clock() - oldest >= self.settings.commit_interval
+                ):
+                    await self._commit(group)
+                    group = []
+                    continue
+                wait = self.settings.commit_interval - (clock() - oldest) if group else None
+                with anyio.move_on_after(wait):
+                    try:
+                        result = await results.receive()
+                    except anyio.EndOfStream:
+                        break
+                    if not group:
+                        oldest = clock()
+                    group.append(result)
+        with anyio.CancelScope(shield=True):
+            await self._commit(group)
+
+    async def _commit(self, group: list[ItemResult]) -> None:
+        if not group:
+            return
+        changed = await self._db(self.ledger.record, self.job, self.owner, group)
+        self.stats.recorded += changed
+        for result in group:
+            self.stats.by_status[result.status] = self.stats.by_status.get(result.status, 0) + 1
+        self.log.flush()
+        if self.progress is not None:
+            self.progress.update(
+                newly_done=len(group),
+                tokens=self.stats.output_tokens,
+                retries=self.stats.retries,
+                failed=self.stats.by_status.get("failed", 0)
+                + self.stats.by_status.get("invalid", 0),
+            )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)

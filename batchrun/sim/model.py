@@ -1,0 +1,237 @@
+"""The simulator's pure model: given a request, decide the whole reply and its timing.
+
+No I/O and no clock here. A Reply says what to send and how long to wait before each part; the
+httpx transport and the HTTP server both play the same Reply, so unit tests and the real server
+behave alike. Output text is derived from the prompt (the same prompt always gets the same
+answer, and the answer names the prompt's digest) and says it is synthetic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+WORDS = (
+    "synthetic",
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+    "oscar",
+    "papa",
+    "quebec",
+    "romeo",
+    "sierra",
+    "tango",
+    "uniform",
+    "victor",
+    "whiskey",
+    "xray",
+    "yankee",
+    "zulu",
+)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Latency and behaviour of the simulated server. Times are in milliseconds."""
+
+    ttft_ms: float = 0.0  # time to first token of an unloaded server
+    prefill_ms_per_token: float = 0.0  # extra time to first token per prompt token
+    tpot_ms: float = 0.0  # time per output token after the first
+    min_output_tokens: int = 8
+    max_output_tokens: int = 48
+    api_key: str | None = None  # when set, requests must carry `Authorization: Bearer <key>`
+    models: tuple[str, ...] = ("sim-1",)
+    strict_models: bool = False  # when True, an unknown model gets 404 like vLLM does
+
+
+@dataclass
+class Reply:
+    """What to answer. Non-streamed: `body` after `delay` seconds. Streamed: each event's bytes
+    after its own delay (seconds since the previous event)."""
+
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    delay: float = 0.0
+    events: list[tuple[float, bytes]] | None = None
+
+
+def _json_reply(status: int, payload: Any, delay: float = 0.0) -> Reply:
+    return Reply(status, {"content-type": "application/json"}, orjson.dumps(payload), delay)
+
+
+def _error(status: int, message: str, kind: str) -> Reply:
+    return _json_reply(status, {"error": {"message": message, "type": kind, "code": status}})
+
+
+def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
+    """The text the simulated model 'reads': all string message contents, or the prompt."""
+    if endpoint == "completions":
+        prompt = body.get("prompt")
+        return prompt if isinstance(prompt, str) else orjson.dumps(prompt).decode()
+    parts = []
+    for msg in body.get("messages") or []:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if isinstance(content, str):
+            parts.append(content)
+        elif content is not None:
+            parts.append(orjson.dumps(content).decode())
+    return "\n".join(parts)
+
+
+def prompt_tag(text: str) -> str:
+    """The marker every simulated answer starts with, tying it to its prompt."""
+    return f"[sim:{hashlib.sha256(text.encode('utf-8', 'replace')).hexdigest()[:12]}]"
+
+
+class SimModel:
+    def __init__(self, config: SimConfig | None = None) -> None:
+        self.config = config or SimConfig()
+        self.requests = 0  # how many completion requests were answered (tests read this)
+
+    def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Reply:
+        path = path.split("?", 1)[0].rstrip("/")
+        if self.config.api_key is not None:
+            auth = headers.get("authorization", "")
+            if auth != f"Bearer {self.config.api_key}":
+                return _error(401, "invalid or missing API key", "authentication_error")
+        if method == "GET" and path in ("/v1/models", "/models"):
+            return _json_reply(
+                200,
+                {
+                    "object": "list",
+                    "data": [
+                        {"id": m, "object": "model", "owned_by": "batchrun-sim"}
+                        for m in self.config.models
+                    ],
+                },
+            )
+        if method == "GET" and path in ("/health", "/v1/health"):
+            return _json_reply(200, {"status": "ok"})
+        endpoints = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+        endpoint = endpoints.get(path)
+        if endpoint is None or method != "POST":
+            return _error(404, f"no route for {method} {path}", "not_found_error")
+        try:
+            request = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return _error(400, "request body is not valid JSON", "invalid_request_error")
+        if not isinstance(request, dict):
+            return _error(400, "request body must be a JSON object", "invalid_request_error")
+        return self.complete(endpoint, request)
+
+    def complete(self, endpoint: str, request: dict[str, Any]) -> Reply:
+        cfg = self.config
+        model = request.get("model") or cfg.models[0]
+        if cfg.strict_models and model not in cfg.models:
+            return _error(404, f"The model `{model}` does not exist.", "not_found_error")
+        key = "messages" if endpoint == "chat" else "prompt"
+        if key not in request:
+            return _error(400, f"'{key}' is required", "invalid_request_error")
+        self.requests += 1
+        text = prompt_text(endpoint, request)
+        tag = prompt_tag(text)
+        rng = random.Random(tag)
+        wanted = rng.randint(cfg.min_output_tokens, cfg.max_output_tokens)
+        limit = request.get("max_tokens") or request.get("max_completion_tokens")
+        n_out, finish = wanted, "stop"
+        if isinstance(limit, int) and 0 < limit < wanted:
+            n_out, finish = limit, "length"
+        tokens = [tag, *(rng.choice(WORDS) for _ in range(n_out - 1))]
+        prompt_tokens = max(1, len(text.split()))
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": n_out,
+            "total_tokens": prompt_tokens + n_out,
+        }
+        ttft = (cfg.ttft_ms + cfg.prefill_ms_per_token * prompt_tokens) / 1000
+        tpot = cfg.tpot_ms / 1000
+        ident = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-sim-{tag[5:-1]}"
+        base = {"id": ident, "created": int(time.time()), "model": model}
+        if request.get("stream"):
+            options = request.get("stream_options") or {}
+            return self._stream(
+                endpoint,
+                base,
+                tokens,
+                finish,
+                ttft,
+                tpot,
+                usage if options.get("include_usage") else None,
+            )
+        full = " ".join(tokens)
+        if endpoint == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "finish_reason": finish,
+                "message": {"role": "assistant", "content": full},
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "finish_reason": finish, "text": full}
+            obj = "text_completion"
+        payload = {**base, "object": obj, "choices": [choice], "usage": usage}
+        return _json_reply(200, payload, delay=ttft + tpot * (n_out - 1))
+
+    @staticmethod
+    def _stream(
+        endpoint: str,
+        base: dict[str, Any],
+        tokens: list[str],
+        finish: str,
+        ttft: float,
+        tpot: float,
+        usage: dict[str, int] | None,
+    ) -> Reply:
+        chat = endpoint == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(piece: str | None, reason: str | None = None) -> bytes:
+            if chat:
+                delta: dict[str, Any] = {} if piece is None else {"content": piece}
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": piece or "", "finish_reason": reason}
+            data = {**base, "object": obj, "choices": [choice]}
+            return b"data: " + orjson.dumps(data) + b"\n\n"
+
+        events: list[tuple[float, bytes]] = []
+        if chat:
+            role = {
+                **base,
+                "object": obj,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "finish_reason": None,
+                    }
+                ],
+            }
+            events.append((0.0, b"data: " + orjson.dumps(role) + b"\n\n"))
+        for i, token in enumerate(tokens):
+            events.append((ttft if i == 0 else tpot, chunk(token if i == 0 else " " + token)))
+        events.append((0.0, chunk(None, finish)))
+        if usage is not None:
+            tail = {**base, "object": obj, "choices": [], "usage": usage}
+            events.append((0.0, b"data: " + orjson.dumps(tail) + b"\n\n"))
+        events.append((0.0, b"data: [DONE]\n\n"))
+        headers = {"content-type": "text/event-stream", "cache-control": "no-cache"}
+        return Reply(200, headers, events=events)

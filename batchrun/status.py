@@ -1,0 +1,87 @@
+"""What `batchrun status` shows: a table of jobs, or one job in detail (also as JSON)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from batchrun.ledger import STATUSES, Job, Ledger
+
+
+def _state(job: Job, counts: dict[str, int]) -> str:
+    if job.runner_owner and job.runner_heartbeat and time.time() - job.runner_heartbeat < 120:
+        return f"running (pid {job.runner_pid})"
+    if counts["pending"] or counts["running"]:
+        return "stopped"
+    bad = counts["failed"] + counts["invalid"] + counts["rejected"]
+    return "complete" if not bad else "complete with failures"
+
+
+def jobs_table(ledger: Ledger) -> list[dict[str, Any]]:
+    rows = []
+    for job in ledger.list_jobs():
+        counts = ledger.counts(job.name)
+        rows.append({"job": job.name, "state": _state(job, counts), "total": job.total, **counts})
+    return rows
+
+
+def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
+    counts = ledger.counts(job.name)
+    spec = orjson.loads(job.spec)
+    return {
+        "job": job.name,
+        "state": _state(job, counts),
+        "input": job.input_path,
+        "input_digest": job.input_digest,
+        "total": job.total,
+        "counts": counts,
+        "endpoint": {k: spec.get(k) for k in ("backend", "base_url", "model", "endpoint")},
+        "concurrency": spec.get("concurrency"),
+        "created_at": job.created_at,
+        "finished_at": job.finished_at,
+        "runner": {
+            "pid": job.runner_pid,
+            "host": job.runner_host,
+            "heartbeat": job.runner_heartbeat,
+        }
+        if job.runner_owner
+        else None,
+        **ledger.item_stats(job.name),
+    }
+
+
+def render_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "no jobs yet"
+    columns = ["job", "state", "total", *STATUSES]
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns}
+    lines = ["  ".join(c.upper().ljust(widths[c]) for c in columns)]
+    lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in columns) for r in rows]
+    return "\n".join(lines)
+
+
+def render_detail(d: dict[str, Any]) -> str:
+    counts = ", ".join(f"{n} {s}" for s, n in d["counts"].items() if n)
+    ep = d["endpoint"]
+    lat = d["latency_ms"]
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:,.0f} ms"
+
+    lines = [
+        f"job        {d['job']}  ({d['state']})",
+        f"input      {d['input']}",
+        f"items      {d['total']}: {counts or 'none'}",
+        f"endpoint   {ep['backend']} {ep['base_url']} model={ep['model']} ({ep['endpoint']})",
+        f"tokens     {d['prompt_tokens']:,} prompt, {d['completion_tokens']:,} completion",
+        f"requests   {d['attempts']:,} attempts",
+        f"latency    p50 {ms(lat['p50'])}, p95 {ms(lat['p95'])}, p99 {ms(lat['p99'])}",
+    ]
+    if d["runner"]:
+        r = d["runner"]
+        lines.append(f"runner     pid {r['pid']} on {r['host']}")
+    for err in d["top_errors"]:
+        lines.append(f"error      {err['count']} x {err['error'][:150]}")
+    return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""Checking outputs against a JSON Schema: find the JSON in the text, parse it, validate it.
+
+Models wrap JSON in prose or ```json fences; the whole text is tried first, then a fenced block,
+then the first balanced object or array. A truncated answer (finish_reason "length") is never
+accepted as valid, even if a prefix happens to parse.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+
+from batchrun.errors import UsageError
+
+_FENCE = re.compile(r"```(?:json|JSON)?\s*\n?(.*?)```", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    parsed: str | None  # the extracted JSON, re-serialised
+    error: str | None
+
+
+def load_schema(path: str) -> dict[str, Any]:
+    try:
+        schema = orjson.loads(Path(path).read_bytes())
+    except FileNotFoundError:
+        raise UsageError(f"schema file not found: {path}") from None
+    except orjson.JSONDecodeError as exc:
+        raise UsageError(f"schema file {path} is not valid JSON: {exc}") from None
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        raise UsageError(f"schema file {path} is not a valid JSON Schema: {exc.message}") from None
+    if not isinstance(schema, dict):
+        raise UsageError(f"schema file {path} must hold a JSON object")
+    return schema
+
+
+def extract_json(text: str) -> Any:
+    """Return the first JSON value found in text; raise ValueError if there is none."""
+    stripped = text.strip()
+    candidates = [stripped, *(m.group(1).strip() for m in _FENCE.finditer(text))]
+    for candidate in candidates:
+        if candidate:
+            try:
+                return orjson.loads(candidate)
+            except orjson.JSONDecodeError:
+                pass
+    decoder = json.JSONDecoder()
+    for start, char in enumerate(text):
+        if char in "{[":
+            try:
+                value, _end = decoder.raw_decode(text, start)
+            except json.JSONDecodeError:
+                continue
+            return value
+    raise ValueError("no JSON object or array found in the output")
+
+
+class SchemaCheck:
+    def __init__(self, schema: dict[str, Any]) -> None:
+        self.validator = Draft202012Validator(schema)
+
+    def check(self, text: str, finish_reason: str | None) -> Verdict:
+        if finish_reason == "length":
+            return Verdict(False, None, "truncated: the answer hit max_tokens before it ended")
+        try:
+            value = extract_json(text)
+        except ValueError as exc:
+            return Verdict(False, None, str(exc))
+        parsed = orjson.dumps(value).decode()
+        error = next(iter(self.validator.iter_errors(value)), None)
+        if error is not None:
+            where = "/".join(str(p) for p in error.absolute_path) or "(root)"
+            return Verdict(False, parsed, f"schema violation at {where}: {error.message}")
+        return Verdict(True, parsed, None)
