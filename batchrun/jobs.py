@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
 import orjson
 
-from batchrun.backends import Backend, OpenAICompatBackend
+from batchrun.backends import Backend, OpenAICompatBackend, Transport
 from batchrun.config import RunSpec, preset_for, resolve
 from batchrun.errors import FatalError, RequestError, UsageError
 from batchrun.inputs import InputReader, file_digest
@@ -106,7 +105,7 @@ def resolve_for_job(job: Job | None, *layers: dict[str, Any]) -> RunSpec:
     return resolve(base, *layers)
 
 
-def build_backend(spec: RunSpec, transport: httpx.AsyncBaseTransport | None = None) -> Backend:
+def build_backend(spec: RunSpec, transport: Transport | None = None) -> Backend:
     if spec.backend == "sim" and transport is None:
         config = SimConfig(**{**SIM_DEFAULTS, **spec.sim_options})
         transport = SimTransport(SimModel(config))
@@ -143,7 +142,7 @@ async def run_job(
     spec: RunSpec,
     *,
     quiet: bool,
-    transport: httpx.AsyncBaseTransport | None = None,
+    transport: Transport | None = None,
     settings: RunnerSettings | None = None,
     handle_signals: bool = True,
 ) -> RunStats:

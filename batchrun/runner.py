@@ -57,7 +57,7 @@ class RunnerSettings:
     commit_interval: float = 0.2
     drain_timeout: float = 10.0
     retry_sleep: Sleep = anyio.sleep
-    clock: Callable[[], float] = time.monotonic
+    outage_clock: Callable[[], float] = time.monotonic
 
 
 class Runner:
@@ -84,7 +84,7 @@ class Runner:
         self.owner = uuid.uuid4().hex
         self.stats = RunStats()
         self.defaults = spec.request_defaults()
-        self.outage = OutageWatch(spec.outage_grace, clock=self.settings.clock)
+        self.outage = OutageWatch(spec.outage_grace, clock=self.settings.outage_clock)
         self.policy = RetryPolicy(spec.max_attempts, self.outage, sleep=self.settings.retry_sleep)
         self._db_lock = anyio.CapacityLimiter(1)
         self._stopping = anyio.Event()
@@ -275,7 +275,7 @@ class Runner:
         )
 
     async def _writer(self, results: ObjectReceiveStream[ItemResult]) -> None:
-        clock = self.settings.clock
+        clock = time.monotonic
         group: list[ItemResult] = []
         oldest = 0.0
         async with results:

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import httpx
+
+Transport = httpx.AsyncBaseTransport  # what tests and --backend sim inject instead of sockets
+
 
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:

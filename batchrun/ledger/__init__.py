@@ -1,7 +1,8 @@
 """The ledger: the only code that imports SQLAlchemy."""
 
+from batchrun.ledger.records import ClaimedItem, IngestReport, ItemResult, Job
 from batchrun.ledger.schema import FINAL_STATUSES, STATUSES
-from batchrun.ledger.store import ClaimedItem, IngestReport, ItemResult, Job, Ledger
+from batchrun.ledger.store import Ledger
 
 __all__ = [
     "FINAL_STATUSES",

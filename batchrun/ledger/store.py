@@ -11,69 +11,20 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, bindparam, func, select, update
-from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+from sqlalchemy import Engine, and_, bindparam, func, select, update
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from batchrun.errors import InputError, JobBusy, LedgerError, UsageError
 from batchrun.inputs import BadLine, InputItem
 from batchrun.ledger.engine import make_engine
+from batchrun.ledger.ingest import insert_batch, pending_row, rejected_row
 from batchrun.ledger.migrations import migrate
+from batchrun.ledger.records import ClaimedItem, IngestReport, ItemResult, Job
 from batchrun.ledger.schema import STATUSES, items, jobs
 
 INGEST_BATCH = 5000
-
-
-@dataclass(frozen=True)
-class Job:
-    name: str
-    input_path: str
-    input_digest: str
-    spec: str
-    total: int
-    created_at: float
-    updated_at: float
-    finished_at: float | None
-    runner_owner: str | None
-    runner_pid: int | None
-    runner_host: str | None
-    runner_heartbeat: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimedItem:
-    line: int
-    item_id: str
-    endpoint: str
-    body: str
-    digest: str
-    attempts: int
-
-
-@dataclass(frozen=True, slots=True)
-class ItemResult:
-    """The final record of one item, as the runner hands it to the writer."""
-
-    line: int
-    status: str  # done | failed | invalid
-    attempts: int  # requests sent for this item in this run
-    latency_ms: float | None = None
-    ttft_ms: float | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    finish_reason: str | None = None
-    output: str | None = None
-    parsed: str | None = None
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class IngestReport:
-    accepted: int
-    rejected: int
-    blank_lines: list[int] = field(default_factory=list)
 
 
 @contextmanager
@@ -163,17 +114,17 @@ class Ledger:
                     problems.append((entry.line, entry.reason))
                     if skip_invalid:
                         batch.append(
-                            _rejected_row(name, entry.line, str(entry.line), entry.reason, now)
+                            rejected_row(name, entry.line, str(entry.line), entry.reason, now)
                         )
                 else:
-                    batch.append(_pending_row(name, entry, now))
+                    batch.append(pending_row(name, entry, now))
                 if len(batch) >= INGEST_BATCH:
-                    accepted, rejected = self._insert_batch(
+                    accepted, rejected = insert_batch(
                         conn, batch, problems, skip_invalid, accepted, rejected
                     )
                     batch = []
             if batch:
-                accepted, rejected = self._insert_batch(
+                accepted, rejected = insert_batch(
                     conn, batch, problems, skip_invalid, accepted, rejected
                 )
             # Raising inside the transaction rolls all of it back: no job, no items.
@@ -189,47 +140,6 @@ class Ledger:
                 .values(total=accepted + rejected, input_digest=digest)
             )
         return IngestReport(accepted=accepted, rejected=rejected)
-
-    def _insert_batch(
-        self,
-        conn: Connection,
-        batch: list[dict[str, Any]],
-        problems: list[tuple[int, str]],
-        skip_invalid: bool,
-        accepted: int,
-        rejected: int,
-    ) -> tuple[int, int]:
-        n_rejected = sum(1 for row in batch if row["status"] == "rejected")
-        try:
-            with conn.begin_nested():
-                conn.execute(items.insert(), batch)
-            return accepted + len(batch) - n_rejected, rejected + n_rejected
-        except IntegrityError:
-            pass
-        # Rare path: some id in this batch repeats an earlier one. Insert row by row to find it.
-        for row in batch:
-            try:
-                with conn.begin_nested():
-                    conn.execute(items.insert(), row)
-                if row["status"] == "rejected":
-                    rejected += 1
-                else:
-                    accepted += 1
-            except IntegrityError:
-                first = conn.execute(
-                    select(items.c.line).where(
-                        items.c.job == row["job"],
-                        items.c.item_id == row["item_id"],
-                        items.c.status != "rejected",
-                    )
-                ).scalar()
-                reason = f"duplicate id {row['item_id']!r} (first on line {first})"
-                problems.append((row["line"], reason))
-                if skip_invalid:
-                    with conn.begin_nested():
-                        conn.execute(items.insert(), {**row, "status": "rejected", "error": reason})
-                    rejected += 1
-        return accepted, rejected
 
     # --- the job's runner lock ---------------------------------------------------------------
 
@@ -487,37 +397,3 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _pending_row(job: str, item: InputItem, now: float) -> dict[str, Any]:
-    return {
-        "job": job,
-        "line": item.line,
-        "item_id": item.item_id,
-        "endpoint": item.endpoint,
-        "body": item.body.decode(),
-        "digest": item.digest,
-        "meta": item.meta.decode() if item.meta else None,
-        "status": "pending",
-        "attempts": 0,
-        "error": None,
-        "created_at": now,
-        "updated_at": now,
-    }
-
-
-def _rejected_row(job: str, line: int, item_id: str, reason: str, now: float) -> dict[str, Any]:
-    return {
-        "job": job,
-        "line": line,
-        "item_id": item_id,
-        "endpoint": "",
-        "body": "null",
-        "digest": "",
-        "meta": None,
-        "status": "rejected",
-        "attempts": 0,
-        "error": reason,
-        "created_at": now,
-        "updated_at": now,
-    }

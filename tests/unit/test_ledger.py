@@ -1,0 +1,269 @@
+"""The ledger's guarantees: all-or-nothing ingest, leases, the duplicate guard, reclaim."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import inspect, text
+
+from batchrun.errors import InputError, JobBusy, UsageError
+from batchrun.inputs import BadLine, InputItem
+from batchrun.ledger import ItemResult, Ledger
+from batchrun.ledger.engine import make_engine
+from batchrun.ledger.migrations import MIGRATIONS, current_version, migrate
+
+
+def item(line: int, item_id: str | None = None) -> InputItem:
+    return InputItem(
+        line=line,
+        item_id=item_id or f"id{line}",
+        endpoint="chat",
+        body=b'{"messages":[{"role":"user","content":"hi"}]}',
+        digest=f"{line:064x}",
+        meta=None,
+    )
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Ledger:
+    return Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+
+
+def make_job(ledger: Ledger, n: int = 10, name: str = "j") -> None:
+    ledger.create_job(
+        name,
+        input_path="in.jsonl",
+        input_digest="abc",
+        spec="{}",
+        lines=[item(i) for i in range(1, n + 1)],
+        skip_invalid=False,
+    )
+
+
+def done(line: int, output: str = "ok") -> ItemResult:
+    return ItemResult(line=line, status="done", attempts=1, output=output, latency_ms=5.0)
+
+
+def test_migrations_on_blank_database_are_ordered_and_idempotent(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'blank.db'}")
+    assert migrate(engine) == len(MIGRATIONS)
+    assert migrate(engine) == 0
+    assert current_version(engine) == MIGRATIONS[-1][0]
+    tables = set(inspect(engine).get_table_names())
+    assert {"jobs", "items", "schema_migrations"} <= tables
+    versions = [v for v, _name, _fn in MIGRATIONS]
+    assert versions == sorted(versions) and len(set(versions)) == len(versions)
+
+
+def test_sqlite_runs_in_wal_mode_with_busy_timeout(ledger: Ledger) -> None:
+    with ledger.engine.connect() as conn:
+        assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+        assert conn.execute(text("PRAGMA busy_timeout")).scalar() == 30000
+
+
+def test_ingest_counts_and_job_row(ledger: Ledger) -> None:
+    make_job(ledger, 25)
+    job = ledger.get_job("j")
+    assert job is not None and job.total == 25 and job.input_digest == "abc"
+    assert ledger.counts("j")["pending"] == 25
+
+
+def test_bad_lines_refuse_the_whole_file(ledger: Ledger) -> None:
+    lines = [item(1), BadLine(2, "invalid JSON"), item(3), BadLine(4, "no prompt")]
+    with pytest.raises(InputError) as caught:
+        ledger.create_job("j", input_path="x", input_digest="d", spec="{}", lines=lines,
+                          skip_invalid=False)
+    assert caught.value.problems == [(2, "invalid JSON"), (4, "no prompt")]
+    assert "line 2: invalid JSON" in str(caught.value)
+    assert ledger.get_job("j") is None  # nothing at all was stored
+
+
+def test_duplicate_ids_are_refused_with_both_line_numbers(ledger: Ledger) -> None:
+    lines = [item(1, "a"), item(2, "b"), item(3, "a")]
+    with pytest.raises(InputError) as caught:
+        ledger.create_job("j", input_path="x", input_digest="d", spec="{}", lines=lines,
+                          skip_invalid=False)
+    assert caught.value.problems == [(3, "duplicate id 'a' (first on line 1)")]
+    assert ledger.get_job("j") is None
+
+
+def test_skip_invalid_records_rejected_lines(ledger: Ledger) -> None:
+    lines = [item(1, "a"), BadLine(2, "invalid JSON"), item(3, "a"), item(4, "b")]
+    report = ledger.create_job("j", input_path="x", input_digest="d", spec="{}", lines=lines,
+                               skip_invalid=True)
+    assert (report.accepted, report.rejected) == (2, 2)
+    rows = {r["line"]: r for r in ledger.iter_results("j")}
+    assert rows[2]["status"] == "rejected" and rows[2]["error"] == "invalid JSON"
+    assert rows[3]["status"] == "rejected" and "duplicate id 'a'" in rows[3]["error"]
+    assert [rows[n]["status"] for n in (1, 4)] == ["pending", "pending"]
+
+
+def test_empty_input_is_an_error_and_stores_nothing(ledger: Ledger) -> None:
+    with pytest.raises(UsageError, match="no items"):
+        ledger.create_job("j", input_path="x", input_digest="d", spec="{}", lines=[],
+                          skip_invalid=False)
+    assert ledger.get_job("j") is None
+
+
+def test_digest_may_be_computed_after_the_lines_are_read(ledger: Ledger) -> None:
+    seen: list[int] = []
+
+    def lines():  # type: ignore[no-untyped-def]
+        for i in (1, 2):
+            seen.append(i)
+            yield item(i)
+
+    ledger.create_job("j", input_path="x", input_digest=lambda: f"after-{len(seen)}",
+                      spec="{}", lines=lines(), skip_invalid=False)
+    job = ledger.get_job("j")
+    assert job is not None and job.input_digest == "after-2"
+
+
+def test_claim_leases_lowest_lines_first_and_moves_them_to_running(ledger: Ledger) -> None:
+    make_job(ledger, 10)
+    ledger.acquire("j", "me", ttl=60)
+    claimed = ledger.claim("j", "me", 4, lease_ttl=60)
+    assert [c.line for c in claimed] == [1, 2, 3, 4]
+    assert [c.item_id for c in claimed] == ["id1", "id2", "id3", "id4"]
+    again = ledger.claim("j", "me", 4, lease_ttl=60)
+    assert [c.line for c in again] == [5, 6, 7, 8]
+    counts = ledger.counts("j")
+    assert (counts["running"], counts["pending"]) == (8, 2)
+
+
+def test_record_completes_items_and_counts_attempts(ledger: Ledger) -> None:
+    make_job(ledger, 3)
+    ledger.acquire("j", "me", ttl=60)
+    ledger.claim("j", "me", 3, lease_ttl=60)
+    changed = ledger.record("j", "me", [
+        done(1, "one"),
+        ItemResult(line=2, status="failed", attempts=5, error="HTTP 500"),
+        ItemResult(line=3, status="invalid", attempts=2, output="x", error="no JSON"),
+    ])
+    assert changed == 3
+    rows = {r["line"]: r for r in ledger.iter_results("j")}
+    assert (rows[1]["status"], rows[1]["output"], rows[1]["attempts"]) == ("done", "one", 1)
+    assert (rows[2]["status"], rows[2]["attempts"], rows[2]["error"]) == ("failed", 5, "HTTP 500")
+    assert rows[3]["status"] == "invalid"
+    assert all(r["owner"] is None and r["lease_expires"] is None for r in rows.values())
+
+
+def test_late_duplicate_result_changes_nothing(ledger: Ledger) -> None:
+    make_job(ledger, 2)
+    ledger.acquire("j", "me", ttl=60)
+    ledger.claim("j", "me", 2, lease_ttl=60)
+    assert ledger.record("j", "me", [done(1, "first")]) == 1
+    assert ledger.record("j", "me", [done(1, "second")]) == 0  # already final
+    assert ledger.record("j", "other", [done(2, "not mine")]) == 0  # not our lease
+    rows = {r["line"]: r for r in ledger.iter_results("j")}
+    assert rows[1]["output"] == "first" and rows[1]["attempts"] == 1
+    assert rows[2]["status"] == "running"
+
+
+def test_release_puts_unfinished_claims_back_to_pending(ledger: Ledger) -> None:
+    make_job(ledger, 5)
+    ledger.acquire("j", "me", ttl=60)
+    ledger.claim("j", "me", 5, lease_ttl=60)
+    ledger.record("j", "me", [done(1), done(2)])
+    assert ledger.release("j", "me") == 3
+    counts = ledger.counts("j")
+    assert (counts["done"], counts["pending"], counts["running"]) == (2, 3, 0)
+    job = ledger.get_job("j")
+    assert job is not None and job.runner_owner is None
+
+
+def test_live_runner_blocks_a_second_one(ledger: Ledger) -> None:
+    make_job(ledger, 3)
+    ledger.acquire("j", "first", ttl=60)  # this process: alive
+    with pytest.raises(JobBusy, match="is being run by process"):
+        ledger.acquire("j", "second", ttl=60)
+
+
+def test_dead_runners_leases_are_reclaimed_at_once(ledger: Ledger) -> None:
+    make_job(ledger, 6)
+    ledger.acquire("j", "crashed", ttl=600)
+    ledger.claim("j", "crashed", 4, lease_ttl=600)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    with ledger.engine.begin() as conn:  # pretend the crashed runner was that exited process
+        conn.execute(text("UPDATE jobs SET runner_pid = :pid"), {"pid": int(dead.stdout)})
+    assert ledger.acquire("j", "new", ttl=600) == 4
+    assert ledger.counts("j")["pending"] == 6
+    assert [c.line for c in ledger.claim("j", "new", 10, lease_ttl=60)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_stale_heartbeat_lets_a_new_runner_in(ledger: Ledger) -> None:
+    make_job(ledger, 2)
+    ledger.acquire("j", "old", ttl=60)
+    ledger.claim("j", "old", 2, lease_ttl=60)
+    with ledger.engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET runner_heartbeat = :t"), {"t": time.time() - 3600})
+    assert ledger.acquire("j", "new", ttl=60) == 2
+
+
+def test_heartbeat_extends_leases(ledger: Ledger) -> None:
+    make_job(ledger, 2)
+    ledger.acquire("j", "me", ttl=60)
+    ledger.claim("j", "me", 2, lease_ttl=1)
+    before = [r["lease_expires"] for r in ledger.iter_results("j")]
+    ledger.heartbeat("j", "me", lease_ttl=120)
+    after = [r["lease_expires"] for r in ledger.iter_results("j")]
+    assert all(a > b + 100 for a, b in zip(after, before, strict=True))
+
+
+def test_requeue_puts_failed_and_invalid_back(ledger: Ledger) -> None:
+    make_job(ledger, 3)
+    ledger.acquire("j", "me", ttl=60)
+    ledger.claim("j", "me", 3, lease_ttl=60)
+    ledger.record("j", "me", [
+        done(1),
+        ItemResult(line=2, status="failed", attempts=5, error="boom"),
+        ItemResult(line=3, status="invalid", attempts=1, error="bad"),
+    ])
+    ledger.mark_finished("j", True)
+    assert ledger.requeue("j") == 2
+    counts = ledger.counts("j")
+    assert (counts["done"], counts["pending"]) == (1, 2)
+    job = ledger.get_job("j")
+    assert job is not None and job.finished_at is None
+    rows = {r["line"]: r for r in ledger.iter_results("j")}
+    assert rows[2]["error"] is None and rows[2]["attempts"] == 5  # history of attempts kept
+
+
+def test_iter_results_pages_in_input_order(ledger: Ledger) -> None:
+    make_job(ledger, 45)
+    lines = [r["line"] for r in ledger.iter_results("j", batch=7)]
+    assert lines == list(range(1, 46))
+
+
+def test_item_stats_percentiles_and_totals(ledger: Ledger) -> None:
+    make_job(ledger, 4)
+    ledger.acquire("j", "me", ttl=60)
+    ledger.claim("j", "me", 4, lease_ttl=60)
+    ledger.record("j", "me", [
+        ItemResult(line=i, status="done", attempts=1, latency_ms=float(i * 100),
+                   prompt_tokens=10, completion_tokens=i)
+        for i in range(1, 5)
+    ])
+    stats = ledger.item_stats("j")
+    assert stats["prompt_tokens"] == 40 and stats["completion_tokens"] == 10
+    assert stats["latency_ms"]["p50"] in (200.0, 300.0)
+    assert stats["latency_ms"]["p99"] == 400.0
+
+
+def test_ledger_survives_reopen(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    first = Ledger(url)
+    make_job(first, 3)
+    first.acquire("j", "me", ttl=60)
+    first.claim("j", "me", 1, lease_ttl=60)
+    first.record("j", "me", [done(1)])
+    first.close()
+    second = Ledger(url)
+    assert second.counts("j")["done"] == 1
+    assert os.path.exists(tmp_path / "ledger.db")

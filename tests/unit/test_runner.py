@@ -1,0 +1,232 @@
+"""The runner end to end over the simulator transport: no sockets, no real waits."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from batchrun import jobs
+from batchrun.config import resolve
+from batchrun.jobs import Home
+from batchrun.ledger import Ledger
+from batchrun.backends import OpenAICompatBackend
+from batchrun.progress import JobLog
+from batchrun.runner import Runner, RunnerSettings, RunStats
+from batchrun.sim import SimModel, SimTransport, prompt_tag
+
+Handler = Callable[[httpx.Request, int], httpx.Response | None]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class FakeTime:
+    """A clock that only moves when the retry policy 'sleeps'."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+        await anyio.lowlevel.checkpoint()
+
+
+class ScriptedTransport(httpx.AsyncBaseTransport):
+    """Answers from `handler(request, call_number_for_this_prompt)`, else from the simulator."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.sim = SimTransport(SimModel())
+        self.calls: dict[str, int] = {}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method != "POST":
+            return await self.sim.handle_async_request(request)
+        body = json.loads(request.content)
+        key = body["messages"][-1]["content"]
+        self.calls[key] = self.calls.get(key, 0) + 1
+        scripted = self.handler(request, self.calls[key])
+        if scripted is not None:
+            return scripted
+        return await self.sim.handle_async_request(request)
+
+
+def write_prompts(path: Path, n: int) -> list[str]:
+    prompts = [f"prompt number {i}" for i in range(n)]
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n"
+                            for i, p in enumerate(prompts)))
+    return prompts
+
+
+async def run(
+    tmp_path: Path,
+    n: int,
+    transport: httpx.AsyncBaseTransport | None = None,
+    fake: FakeTime | None = None,
+    **options: Any,
+) -> tuple[Ledger, RunStats, list[str]]:
+    home = Home.at(tmp_path, None)
+    ledger = Ledger(home.ledger_url)
+    prompts = write_prompts(tmp_path / "in.jsonl", n)
+    spec = resolve({"backend": "sim", "concurrency": 4, "max_attempts": 3, **options})
+    jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
+    fake = fake or FakeTime()
+    settings = RunnerSettings(retry_sleep=fake.sleep, outage_clock=fake.clock,
+                              drain_timeout=0.0)
+    stats = await jobs.run_job(ledger, home, "j", spec, quiet=True,
+                               transport=transport or SimTransport(SimModel()),
+                               settings=settings, handle_signals=False)
+    return ledger, stats, prompts
+
+
+def rows(ledger: Ledger) -> list[dict[str, Any]]:
+    return list(ledger.iter_results("j"))
+
+
+@pytest.mark.anyio
+async def test_every_item_done_once_with_its_own_output(tmp_path: Path) -> None:
+    ledger, stats, prompts = await run(tmp_path, 60)
+    result = rows(ledger)
+    assert [r["status"] for r in result] == ["done"] * 60
+    for r, prompt in zip(result, prompts, strict=True):
+        assert r["output"].startswith(prompt_tag(prompt))
+        assert r["attempts"] == 1 and r["completion_tokens"] > 0 and r["ttft_ms"] is not None
+    assert stats.requests == 60 and stats.recorded == 60 and stats.retries == 0
+
+
+@pytest.mark.anyio
+async def test_transient_errors_are_retried_until_done(tmp_path: Path) -> None:
+    def flaky(_request: httpx.Request, call: int) -> httpx.Response | None:
+        return httpx.Response(503, json={"error": {"message": "busy"}}) if call < 3 else None
+
+    fake = FakeTime()
+    ledger, stats, _ = await run(tmp_path, 10, ScriptedTransport(flaky), fake)
+    assert [r["status"] for r in rows(ledger)] == ["done"] * 10
+    assert [r["attempts"] for r in rows(ledger)] == [3] * 10
+    assert stats.retries == 20 and len(fake.slept) == 20
+
+
+@pytest.mark.anyio
+async def test_retry_after_is_honoured(tmp_path: Path) -> None:
+    def limited(_request: httpx.Request, call: int) -> httpx.Response | None:
+        return httpx.Response(429, headers={"retry-after": "7"}) if call == 1 else None
+
+    fake = FakeTime()
+    ledger, _stats, _ = await run(tmp_path, 3, ScriptedTransport(limited), fake)
+    assert fake.slept == [7.0, 7.0, 7.0]
+    assert all(r["status"] == "done" for r in rows(ledger))
+
+
+@pytest.mark.anyio
+async def test_exhausted_attempts_fail_the_item_and_the_job_goes_on(tmp_path: Path) -> None:
+    def one_broken(request: httpx.Request, _call: int) -> httpx.Response | None:
+        if b"prompt number 2" in request.content:
+            return httpx.Response(500, json={"error": {"message": "kaput"}})
+        return None
+
+    ledger, _stats, _ = await run(tmp_path, 5, ScriptedTransport(one_broken))
+    result = rows(ledger)
+    assert [r["status"] for r in result] == ["done", "done", "failed", "done", "done"]
+    assert result[2]["attempts"] == 3 and "HTTP 500: kaput" in result[2]["error"]
+
+
+@pytest.mark.anyio
+async def test_bad_request_fails_at_once_with_the_servers_message(tmp_path: Path) -> None:
+    def too_long(request: httpx.Request, _call: int) -> httpx.Response | None:
+        if b"prompt number 1" in request.content:
+            return httpx.Response(400, json={"error": {"message": "prompt exceeds context"}})
+        return None
+
+    ledger, _stats, _ = await run(tmp_path, 3, ScriptedTransport(too_long))
+    failed = rows(ledger)[1]
+    assert failed["status"] == "failed" and failed["attempts"] == 1
+    assert "prompt exceeds context" in failed["error"]
+
+
+@pytest.mark.anyio
+async def test_auth_failure_aborts_and_leaves_items_pending(tmp_path: Path) -> None:
+    def denied(_request: httpx.Request, _call: int) -> httpx.Response:
+        return httpx.Response(401, json={"error": {"message": "bad key"}})
+
+    ledger, stats, _ = await run(tmp_path, 20, ScriptedTransport(denied))
+    assert stats.aborted is not None and "401" in stats.aborted
+    counts = ledger.counts("j")
+    assert counts["pending"] == 20 and counts["failed"] == 0 and counts["running"] == 0
+    assert jobs.exit_code(counts, stats) == jobs.EXIT_ABORTED
+
+
+@pytest.mark.anyio
+async def test_unreachable_endpoint_stops_after_grace_without_burning_items(
+    tmp_path: Path,
+) -> None:
+    def down(_request: httpx.Request, _call: int) -> httpx.Response:
+        raise httpx.ConnectError("connection refused")
+
+    ledger, stats, _ = await run(tmp_path, 12, ScriptedTransport(down), outage_grace=30.0,
+                                 max_attempts=2)
+    assert stats.aborted is not None and "unreachable" in stats.aborted
+    counts = ledger.counts("j")
+    assert counts["pending"] == 12 and counts["failed"] == 0
+
+
+@pytest.mark.anyio
+async def test_schema_marks_non_json_output_invalid(tmp_path: Path) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "required": ["name"]}))
+    ledger, _stats, _ = await run(tmp_path, 3, schema=str(schema))
+    result = rows(ledger)
+    assert [r["status"] for r in result] == ["invalid"] * 3
+    assert all("no JSON" in r["error"] for r in result)
+    assert jobs.exit_code(ledger.counts("j"), None) == jobs.EXIT_SOME_FAILED
+
+
+@pytest.mark.anyio
+async def test_stop_request_commits_finished_work_and_releases_the_rest(tmp_path: Path) -> None:
+    home = Home.at(tmp_path, None)
+    ledger = Ledger(home.ledger_url)
+    write_prompts(tmp_path / "in.jsonl", 40)
+    spec = resolve({"backend": "sim", "concurrency": 2})
+    jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
+    release = anyio.Event()
+    runner_box: list[Any] = []
+
+    def gate(_request: httpx.Request, call: int) -> httpx.Response | None:
+        return None
+
+    class Gated(ScriptedTransport):
+        entered = 0
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if request.method == "POST":
+                Gated.entered += 1
+            if Gated.entered > 5:
+                runner_box[0].request_stop()
+                await release.wait()  # hangs until the drain timeout cancels it
+            return await super().handle_async_request(request)
+
+    backend = OpenAICompatBackend(spec.base_url, transport=Gated(gate))
+    log = JobLog(home.log_path("j"), "j")
+    runner = Runner(ledger, backend, "j", dataclasses.replace(spec, model="sim-1"), log=log,
+                    settings=RunnerSettings(drain_timeout=0.0))
+    runner_box.append(runner)
+    stats = await runner.run()
+    log.close()
+    await backend.aclose()
+    counts = ledger.counts("j")
+    assert stats.interrupted
+    assert counts["done"] == 5 and counts["running"] == 0 and counts["pending"] == 35
+    assert jobs.exit_code(counts, stats) == jobs.EXIT_INTERRUPTED
