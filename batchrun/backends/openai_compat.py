@@ -62,6 +62,12 @@ class OpenAICompatBackend:
         await self._client.aclose()
 
     async def list_models(self) -> list[str]:
+        try:
+            return await self._list_models()
+        except RequestError as exc:
+            raise self._scrub(exc) from None
+
+    async def _list_models(self) -> list[str]:
         url = f"{self.base_url}/models"
         try:
             with anyio.fail_after(self.timeout):
@@ -71,9 +77,7 @@ class OpenAICompatBackend:
         except httpx.TransportError as exc:
             raise ConnectionFailed(self._describe(exc, url)) from None
         if response.status_code >= 400:
-            raise self._scrub(
-                error_for_status(response.status_code, response.headers, response.content, url)
-            )
+            raise error_for_status(response.status_code, response.headers, response.content, url)
         try:
             data = orjson.loads(response.content)
             return [str(m["id"]) for m in data.get("data", [])]
@@ -82,12 +86,15 @@ class OpenAICompatBackend:
 
     async def complete(self, request: CompletionRequest) -> Completion:
         try:
-            return await self._complete_once(request)
-        except BadRequest as exc:
-            if self.stream and self.stream_options and "stream_options" in str(exc):
-                self.stream_options = False  # this server refuses it; ask without from now on
+            try:
                 return await self._complete_once(request)
-            raise
+            except BadRequest as exc:
+                if self.stream and self.stream_options and "stream_options" in str(exc):
+                    self.stream_options = False  # this server refuses it; ask without it
+                    return await self._complete_once(request)
+                raise
+        except RequestError as exc:
+            raise self._scrub(exc) from None
 
     async def _complete_once(self, request: CompletionRequest) -> Completion:
         url = self.base_url + ENDPOINT_PATHS[request.endpoint]
@@ -103,9 +110,7 @@ class OpenAICompatBackend:
                 async with self._client.stream("POST", url, content=orjson.dumps(body)) as resp:
                     if resp.status_code >= 400:
                         content = await resp.aread()
-                        raise self._scrub(
-                            error_for_status(resp.status_code, resp.headers, content, url)
-                        )
+                        raise error_for_status(resp.status_code, resp.headers, content, url)
                     receiving = True
                     if "text/event-stream" in resp.headers.get("content-type", ""):
                         return await self._read_stream(resp, request.endpoint, started)
@@ -167,19 +172,18 @@ class OpenAICompatBackend:
         text = _choice_text(choices[0], endpoint, streamed=False) or ""
         return _completion(text, choices[0].get("finish_reason"), data.get("usage"), started, None)
 
-    def _describe(self, exc: Exception, url: str | None = None) -> str:
+    @staticmethod
+    def _describe(exc: Exception, url: str | None = None) -> str:
         text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        if url:
-            text += f" ({url})"
-        return self._redact(text)
-
-    def _redact(self, text: str) -> str:
-        return text.replace(self._api_key, "***") if self._api_key else text
+        return f"{text} ({url})" if url else text
 
     def _scrub(self, error: RequestError) -> RequestError:
-        """Make sure a server that echoes the key back cannot leak it through our messages."""
+        """Make sure a server that echoes the key back cannot leak it through our messages.
+
+        Applied once, where errors leave this class, so no message built inside can escape it.
+        """
         if self._api_key and self._api_key in str(error):
-            error.args = (self._redact(str(error)),)
+            error.args = (str(error).replace(self._api_key, "***"),)
         return error
 
 

@@ -42,7 +42,9 @@ def test_import_direction(path: Path) -> None:
     if not where.startswith("ledger/"):
         assert not uses(names, "sqlalchemy"), f"{where}: only ledger/ may import SQLAlchemy"
     if not where.startswith(("backends/", "sim/")):
-        assert not uses(names, "httpx"), f"{where}: only backends/ (and the sim transport) use httpx"
+        assert not uses(names, "httpx"), (
+            f"{where}: only backends/ (and the sim transport) use httpx"
+        )
     if where.startswith("backends/"):
         assert not uses(names, "batchrun.ledger"), f"{where}: backends never import the ledger"
     if where.startswith("ledger/"):

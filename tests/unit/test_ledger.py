@@ -76,8 +76,9 @@ def test_ingest_counts_and_job_row(ledger: Ledger) -> None:
 def test_bad_lines_refuse_the_whole_file(ledger: Ledger) -> None:
     lines = [item(1), BadLine(2, "invalid JSON"), item(3), BadLine(4, "no prompt")]
     with pytest.raises(InputError) as caught:
-        ledger.create_job("j", input_path="x", input_digest="d", spec="{}", lines=lines,
-                          skip_invalid=False)
+        ledger.create_job(
+            "j", input_path="x", input_digest="d", spec="{}", lines=lines, skip_invalid=False
+        )
     assert caught.value.problems == [(2, "invalid JSON"), (4, "no prompt")]
     assert "line 2: invalid JSON" in str(caught.value)
     assert ledger.get_job("j") is None  # nothing at all was stored
@@ -86,16 +87,18 @@ def test_bad_lines_refuse_the_whole_file(ledger: Ledger) -> None:
 def test_duplicate_ids_are_refused_with_both_line_numbers(ledger: Ledger) -> None:
     lines = [item(1, "a"), item(2, "b"), item(3, "a")]
     with pytest.raises(InputError) as caught:
-        ledger.create_job("j", input_path="x", input_digest="d", spec="{}", lines=lines,
-                          skip_invalid=False)
+        ledger.create_job(
+            "j", input_path="x", input_digest="d", spec="{}", lines=lines, skip_invalid=False
+        )
     assert caught.value.problems == [(3, "duplicate id 'a' (first on line 1)")]
     assert ledger.get_job("j") is None
 
 
 def test_skip_invalid_records_rejected_lines(ledger: Ledger) -> None:
     lines = [item(1, "a"), BadLine(2, "invalid JSON"), item(3, "a"), item(4, "b")]
-    report = ledger.create_job("j", input_path="x", input_digest="d", spec="{}", lines=lines,
-                               skip_invalid=True)
+    report = ledger.create_job(
+        "j", input_path="x", input_digest="d", spec="{}", lines=lines, skip_invalid=True
+    )
     assert (report.accepted, report.rejected) == (2, 2)
     rows = {r["line"]: r for r in ledger.iter_results("j")}
     assert rows[2]["status"] == "rejected" and rows[2]["error"] == "invalid JSON"
@@ -105,8 +108,9 @@ def test_skip_invalid_records_rejected_lines(ledger: Ledger) -> None:
 
 def test_empty_input_is_an_error_and_stores_nothing(ledger: Ledger) -> None:
     with pytest.raises(UsageError, match="no items"):
-        ledger.create_job("j", input_path="x", input_digest="d", spec="{}", lines=[],
-                          skip_invalid=False)
+        ledger.create_job(
+            "j", input_path="x", input_digest="d", spec="{}", lines=[], skip_invalid=False
+        )
     assert ledger.get_job("j") is None
 
 
@@ -118,8 +122,14 @@ def test_digest_may_be_computed_after_the_lines_are_read(ledger: Ledger) -> None
             seen.append(i)
             yield item(i)
 
-    ledger.create_job("j", input_path="x", input_digest=lambda: f"after-{len(seen)}",
-                      spec="{}", lines=lines(), skip_invalid=False)
+    ledger.create_job(
+        "j",
+        input_path="x",
+        input_digest=lambda: f"after-{len(seen)}",
+        spec="{}",
+        lines=lines(),
+        skip_invalid=False,
+    )
     job = ledger.get_job("j")
     assert job is not None and job.input_digest == "after-2"
 
@@ -140,11 +150,15 @@ def test_record_completes_items_and_counts_attempts(ledger: Ledger) -> None:
     make_job(ledger, 3)
     ledger.acquire("j", "me", ttl=60)
     ledger.claim("j", "me", 3, lease_ttl=60)
-    changed = ledger.record("j", "me", [
-        done(1, "one"),
-        ItemResult(line=2, status="failed", attempts=5, error="HTTP 500"),
-        ItemResult(line=3, status="invalid", attempts=2, output="x", error="no JSON"),
-    ])
+    changed = ledger.record(
+        "j",
+        "me",
+        [
+            done(1, "one"),
+            ItemResult(line=2, status="failed", attempts=5, error="HTTP 500"),
+            ItemResult(line=3, status="invalid", attempts=2, output="x", error="no JSON"),
+        ],
+    )
     assert changed == 3
     rows = {r["line"]: r for r in ledger.iter_results("j")}
     assert (rows[1]["status"], rows[1]["output"], rows[1]["attempts"]) == ("done", "one", 1)
@@ -188,8 +202,12 @@ def test_dead_runners_leases_are_reclaimed_at_once(ledger: Ledger) -> None:
     make_job(ledger, 6)
     ledger.acquire("j", "crashed", ttl=600)
     ledger.claim("j", "crashed", 4, lease_ttl=600)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     with ledger.engine.begin() as conn:  # pretend the crashed runner was that exited process
         conn.execute(text("UPDATE jobs SET runner_pid = :pid"), {"pid": int(dead.stdout)})
     assert ledger.acquire("j", "new", ttl=600) == 4
@@ -220,11 +238,15 @@ def test_requeue_puts_failed_and_invalid_back(ledger: Ledger) -> None:
     make_job(ledger, 3)
     ledger.acquire("j", "me", ttl=60)
     ledger.claim("j", "me", 3, lease_ttl=60)
-    ledger.record("j", "me", [
-        done(1),
-        ItemResult(line=2, status="failed", attempts=5, error="boom"),
-        ItemResult(line=3, status="invalid", attempts=1, error="bad"),
-    ])
+    ledger.record(
+        "j",
+        "me",
+        [
+            done(1),
+            ItemResult(line=2, status="failed", attempts=5, error="boom"),
+            ItemResult(line=3, status="invalid", attempts=1, error="bad"),
+        ],
+    )
     ledger.mark_finished("j", True)
     assert ledger.requeue("j") == 2
     counts = ledger.counts("j")
@@ -245,11 +267,21 @@ def test_item_stats_percentiles_and_totals(ledger: Ledger) -> None:
     make_job(ledger, 4)
     ledger.acquire("j", "me", ttl=60)
     ledger.claim("j", "me", 4, lease_ttl=60)
-    ledger.record("j", "me", [
-        ItemResult(line=i, status="done", attempts=1, latency_ms=float(i * 100),
-                   prompt_tokens=10, completion_tokens=i)
-        for i in range(1, 5)
-    ])
+    ledger.record(
+        "j",
+        "me",
+        [
+            ItemResult(
+                line=i,
+                status="done",
+                attempts=1,
+                latency_ms=float(i * 100),
+                prompt_tokens=10,
+                completion_tokens=i,
+            )
+            for i in range(1, 5)
+        ],
+    )
     stats = ledger.item_stats("j")
     assert stats["prompt_tokens"] == 40 and stats["completion_tokens"] == 10
     assert stats["latency_ms"]["p50"] in (200.0, 300.0)

@@ -13,10 +13,10 @@ import httpx
 import pytest
 
 from batchrun import jobs
+from batchrun.backends import OpenAICompatBackend
 from batchrun.config import resolve
 from batchrun.jobs import Home
 from batchrun.ledger import Ledger
-from batchrun.backends import OpenAICompatBackend
 from batchrun.progress import JobLog
 from batchrun.runner import Runner, RunnerSettings, RunStats
 from batchrun.sim import SimModel, SimTransport, prompt_tag
@@ -67,8 +67,9 @@ class ScriptedTransport(httpx.AsyncBaseTransport):
 
 def write_prompts(path: Path, n: int) -> list[str]:
     prompts = [f"prompt number {i}" for i in range(n)]
-    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n"
-                            for i, p in enumerate(prompts)))
+    path.write_text(
+        "".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts))
+    )
     return prompts
 
 
@@ -85,11 +86,17 @@ async def run(
     spec = resolve({"backend": "sim", "concurrency": 4, "max_attempts": 3, **options})
     jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
     fake = fake or FakeTime()
-    settings = RunnerSettings(retry_sleep=fake.sleep, outage_clock=fake.clock,
-                              drain_timeout=0.0)
-    stats = await jobs.run_job(ledger, home, "j", spec, quiet=True,
-                               transport=transport or SimTransport(SimModel()),
-                               settings=settings, handle_signals=False)
+    settings = RunnerSettings(retry_sleep=fake.sleep, outage_clock=fake.clock, drain_timeout=0.0)
+    stats = await jobs.run_job(
+        ledger,
+        home,
+        "j",
+        spec,
+        quiet=True,
+        transport=transport or SimTransport(SimModel()),
+        settings=settings,
+        handle_signals=False,
+    )
     return ledger, stats, prompts
 
 
@@ -176,8 +183,9 @@ async def test_unreachable_endpoint_stops_after_grace_without_burning_items(
     def down(_request: httpx.Request, _call: int) -> httpx.Response:
         raise httpx.ConnectError("connection refused")
 
-    ledger, stats, _ = await run(tmp_path, 12, ScriptedTransport(down), outage_grace=30.0,
-                                 max_attempts=2)
+    ledger, stats, _ = await run(
+        tmp_path, 12, ScriptedTransport(down), outage_grace=30.0, max_attempts=2
+    )
     assert stats.aborted is not None and "unreachable" in stats.aborted
     counts = ledger.counts("j")
     assert counts["pending"] == 12 and counts["failed"] == 0
@@ -220,8 +228,14 @@ async def test_stop_request_commits_finished_work_and_releases_the_rest(tmp_path
 
     backend = OpenAICompatBackend(spec.base_url, transport=Gated(gate))
     log = JobLog(home.log_path("j"), "j")
-    runner = Runner(ledger, backend, "j", dataclasses.replace(spec, model="sim-1"), log=log,
-                    settings=RunnerSettings(drain_timeout=0.0))
+    runner = Runner(
+        ledger,
+        backend,
+        "j",
+        dataclasses.replace(spec, model="sim-1"),
+        log=log,
+        settings=RunnerSettings(drain_timeout=0.0),
+    )
     runner_box.append(runner)
     stats = await runner.run()
     log.close()

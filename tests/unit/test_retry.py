@@ -1,0 +1,395 @@
+"""RetryPolicy and OutageWatch with a fake clock and a fake sleep: no real waiting."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from batchrun import retry
+from batchrun.errors import (
+    AuthFailed,
+    BadRequest,
+    ConnectionFailed,
+    EndpointDown,
+    NotFound,
+    Overloaded,
+    RateLimited,
+    RequestError,
+    RequestTimeout,
+    StreamCut,
+    TransientError,
+)
+from batchrun.retry import MAX_RETRY_AFTER, OutageWatch, RetryPolicy
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class FakeTime:
+    """A clock that only moves when the fake sleep is asked to wait."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+class Script:
+    """An async callable that raises the scripted errors in turn, then returns "ok"."""
+
+    def __init__(
+        self, errors: Sequence[Exception], *, forever: Callable[[], Exception] | None = None
+    ) -> None:
+        self.errors = list(errors)
+        self.forever = forever
+        self.calls = 0
+        self.raised: list[Exception] = []
+
+    async def __call__(self) -> str:
+        self.calls += 1
+        if self.errors:
+            exc = self.errors.pop(0)
+        elif self.forever is not None:
+            exc = self.forever()
+        else:
+            return "ok"
+        self.raised.append(exc)
+        raise exc
+
+
+def make_policy(
+    max_attempts: int = 5, grace: float = 60.0, **kwargs: float
+) -> tuple[RetryPolicy, OutageWatch, FakeTime]:
+    clock = FakeTime()
+    watch = OutageWatch(grace, clock=clock)
+    return RetryPolicy(max_attempts, watch, sleep=clock.sleep, **kwargs), watch, clock
+
+
+# --- RetryPolicy ----------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "error",
+    [
+        Overloaded("HTTP 500", status=500),
+        RequestTimeout("slow"),
+        StreamCut("cut"),
+        RateLimited("429"),
+        Overloaded("HTTP 408", status=408),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+async def test_transient_errors_retried_until_success(error: TransientError) -> None:
+    policy, _watch, clock = make_policy(max_attempts=5)
+    fn = Script([error, error, error])
+    assert await policy.call(fn) == "ok"
+    assert fn.calls == 4
+    assert len(clock.sleeps) == 3
+
+
+@pytest.mark.anyio
+async def test_success_first_time_does_not_sleep() -> None:
+    policy, watch, clock = make_policy()
+    fn = Script([])
+    assert await policy.call(fn) == "ok"
+    assert fn.calls == 1
+    assert clock.sleeps == []
+    assert not watch.down
+
+
+@pytest.mark.anyio
+async def test_stops_at_max_attempts_and_reraises_last_error() -> None:
+    policy, watch, clock = make_policy(max_attempts=4)
+    fn = Script([], forever=lambda: Overloaded("HTTP 500: boom", status=500))
+    with pytest.raises(Overloaded) as info:
+        await policy.call(fn)
+    assert fn.calls == 4
+    assert len(clock.sleeps) == 3
+    assert info.value is fn.raised[-1]
+    assert not watch.down
+
+
+@pytest.mark.anyio
+async def test_single_attempt_never_retries() -> None:
+    policy, _watch, clock = make_policy(max_attempts=1)
+    fn = Script([StreamCut("cut")])
+    with pytest.raises(StreamCut):
+        await policy.call(fn)
+    assert fn.calls == 1
+    assert clock.sleeps == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "error",
+    [
+        BadRequest("HTTP 400: too long", status=400),
+        AuthFailed("HTTP 401", status=401),
+        NotFound("HTTP 404", status=404),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+async def test_permanent_and_fatal_errors_not_retried(error: RequestError) -> None:
+    policy, watch, clock = make_policy(max_attempts=5)
+    fn = Script([error])
+    with pytest.raises(type(error)) as info:
+        await policy.call(fn)
+    assert info.value is error
+    assert fn.calls == 1
+    assert clock.sleeps == []
+    assert not watch.down
+
+
+@pytest.mark.anyio
+async def test_unexpected_exceptions_pass_through() -> None:
+    policy, _watch, clock = make_policy()
+    fn = Script([ValueError("bug")])
+    with pytest.raises(ValueError, match="bug"):
+        await policy.call(fn)
+    assert fn.calls == 1
+    assert clock.sleeps == []
+
+
+@pytest.mark.anyio
+async def test_retry_after_is_honoured_exactly() -> None:
+    policy, _watch, clock = make_policy()
+    fn = Script([RateLimited("429", retry_after=7)])
+    assert await policy.call(fn) == "ok"
+    assert clock.sleeps == [7.0]
+
+
+@pytest.mark.anyio
+async def test_retry_after_on_overloaded_is_honoured() -> None:
+    policy, _watch, clock = make_policy()
+    fn = Script([Overloaded("503", status=500, retry_after=2.5), RateLimited("x", retry_after=0)])
+    assert await policy.call(fn) == "ok"
+    assert clock.sleeps == [2.5, 0.0]
+
+
+@pytest.mark.anyio
+async def test_huge_retry_after_is_capped() -> None:
+    policy, _watch, clock = make_policy()
+    fn = Script([RateLimited("429", retry_after=86_400.0)])
+    assert await policy.call(fn) == "ok"
+    assert clock.sleeps == [MAX_RETRY_AFTER]
+    assert retry.MAX_RETRY_AFTER == MAX_RETRY_AFTER
+
+
+@pytest.mark.anyio
+async def test_backoff_within_exponential_jitter_bounds() -> None:
+    base, cap = 0.5, 30.0
+    attempts = 10
+    for _ in range(20):
+        policy, _watch, clock = make_policy(max_attempts=attempts, base_wait=base, max_wait=cap)
+        fn = Script([], forever=lambda: Overloaded("HTTP 500", status=500))
+        with pytest.raises(Overloaded):
+            await policy.call(fn)
+        assert len(clock.sleeps) == attempts - 1
+        for i, wait in enumerate(clock.sleeps):
+            assert 0.0 <= wait <= min(cap, base * 2**i)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("pick", "wanted"),
+    [
+        (lambda low, high: high, [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]),
+        (lambda low, high: low, [0.0] * 8),
+    ],
+    ids=["upper", "lower"],
+)
+async def test_backoff_bounds_are_exactly_the_jitter_window(
+    monkeypatch: pytest.MonkeyPatch,
+    pick: Callable[[float, float], float],
+    wanted: list[float],
+) -> None:
+    monkeypatch.setattr(random, "uniform", pick)
+    policy, _watch, clock = make_policy(max_attempts=9, base_wait=0.5, max_wait=30.0)
+    fn = Script([], forever=lambda: Overloaded("HTTP 500", status=500))
+    with pytest.raises(Overloaded):
+        await policy.call(fn)
+    assert clock.sleeps == pytest.approx(wanted)
+
+
+@pytest.mark.anyio
+async def test_backoff_is_jittered() -> None:
+    firsts = set()
+    for _ in range(30):
+        policy, _watch, clock = make_policy(max_attempts=2)
+        await policy.call(Script([StreamCut("cut")]))
+        firsts.add(clock.sleeps[0])
+    assert len(firsts) > 1
+
+
+# --- OutageWatch ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConnectionFailed("refused"),
+        Overloaded("HTTP 502", status=502),
+        Overloaded("HTTP 503", status=503),
+        Overloaded("HTTP 504", status=504),
+    ],
+    ids=["connect", "502", "503", "504"],
+)
+def test_outage_signs_mark_endpoint_down(error: TransientError) -> None:
+    clock = FakeTime()
+    watch = OutageWatch(30.0, clock=clock)
+    assert not watch.down
+    watch.failure(error)
+    assert watch.down
+    assert watch.down_since == clock.now
+    assert watch.last_error == str(error)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        Overloaded("HTTP 500", status=500),
+        Overloaded("HTTP 408", status=408),
+        RateLimited("HTTP 429", retry_after=5),
+        RequestTimeout("slow"),
+        StreamCut("cut"),
+    ],
+    ids=["500", "408", "429", "timeout", "streamcut"],
+)
+def test_other_transient_errors_do_not_mark_down(error: TransientError) -> None:
+    watch = OutageWatch(30.0, clock=FakeTime())
+    watch.failure(error)
+    assert not watch.down
+    watch.check()  # does not raise
+
+
+def test_success_clears_outage() -> None:
+    watch = OutageWatch(30.0, clock=FakeTime())
+    watch.failure(ConnectionFailed("refused"))
+    assert watch.down
+    watch.success()
+    assert not watch.down
+    assert watch.down_since is None
+
+
+def test_outage_start_is_first_failure_and_check_uses_grace() -> None:
+    clock = FakeTime(start=0.0)
+    watch = OutageWatch(60.0, clock=clock)
+    watch.failure(ConnectionFailed("first"))
+    clock.now = 40.0
+    watch.failure(ConnectionFailed("second"))
+    assert watch.down_since == 0.0
+    assert watch.last_error == "second"
+    clock.now = 60.0
+    watch.check()  # exactly at the grace period: not yet
+    clock.now = 60.5
+    with pytest.raises(EndpointDown, match="second"):
+        watch.check()
+
+
+def test_success_restarts_outage_clock() -> None:
+    clock = FakeTime(start=0.0)
+    watch = OutageWatch(60.0, clock=clock)
+    watch.failure(ConnectionFailed("down"))
+    clock.now = 50.0
+    watch.success()
+    clock.now = 70.0
+    watch.failure(Overloaded("HTTP 503", status=503))
+    assert watch.down_since == 70.0
+    clock.now = 125.0
+    watch.check()  # 55s into the new outage
+    clock.now = 131.0
+    with pytest.raises(EndpointDown):
+        watch.check()
+
+
+# --- RetryPolicy during an outage --------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "error",
+    [ConnectionFailed("connection refused"), Overloaded("HTTP 503", status=503)],
+    ids=["connect", "503"],
+)
+async def test_outage_keeps_retrying_then_raises_endpoint_down(error: TransientError) -> None:
+    grace = 60.0
+    policy, watch, clock = make_policy(max_attempts=3, grace=grace)
+    start = clock.now
+    fn = Script([], forever=lambda: error)
+    with pytest.raises(EndpointDown) as info:
+        await policy.call(fn)
+    assert fn.calls > policy.max_attempts
+    assert watch.down
+    assert watch.down_since == start
+    assert clock.now - start > grace
+    # the last wait is the one that carried the clock past the grace period
+    assert clock.now - clock.sleeps[-1] - start <= grace
+    assert str(error) in str(info.value)
+    assert f"{grace:g}s" in str(info.value)
+    # waits during an outage are capped so the watch notices the end promptly
+    assert all(w <= min(30.0, grace / 4) for w in clock.sleeps)
+
+
+@pytest.mark.anyio
+async def test_endpoint_down_raised_before_calling_when_outage_is_old() -> None:
+    policy, watch, clock = make_policy(grace=10.0)
+    watch.failure(ConnectionFailed("refused"))
+    clock.now += 11.0
+    fn = Script([])
+    with pytest.raises(EndpointDown):
+        await policy.call(fn)
+    assert fn.calls == 0
+
+
+@pytest.mark.anyio
+async def test_success_during_outage_resets_it() -> None:
+    policy, watch, clock = make_policy(max_attempts=2, grace=600.0)
+    fn = Script([ConnectionFailed("refused")] * 5)
+    assert await policy.call(fn) == "ok"
+    assert fn.calls == 6  # past max_attempts, because the endpoint was down
+    assert len(clock.sleeps) == 5
+    assert not watch.down
+    assert watch.down_since is None
+    # after the reset the normal attempt limit applies again
+    second = Script([], forever=lambda: Overloaded("HTTP 500", status=500))
+    with pytest.raises(Overloaded):
+        await policy.call(second)
+    assert second.calls == 2
+
+
+@pytest.mark.anyio
+async def test_success_elsewhere_during_outage_restarts_grace() -> None:
+    grace = 60.0
+    policy, watch, clock = make_policy(max_attempts=2, grace=grace)
+
+    class Flaky:
+        """Down for a while, one success (another worker's), then down again for good."""
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def __call__(self) -> str:
+            self.calls += 1
+            if self.calls == 4:
+                watch.success()  # someone else got through
+            raise ConnectionFailed("refused")
+
+    first_down = clock.now
+    fn = Flaky()
+    with pytest.raises(EndpointDown):
+        await policy.call(fn)
+    assert watch.down_since is not None
+    assert watch.down_since > first_down
+    assert clock.now - watch.down_since > grace
+    assert clock.now - first_down > grace
