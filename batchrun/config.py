@@ -127,8 +127,9 @@ def _coerce(name: str, value: Any) -> Any:
         "float": (int, float),
         "bool": (bool,),
         "str": (str,),
+        "dict": (dict,),
     }
-    base = str(kind).split(" |")[0]
+    base = str(kind).split(" |")[0].split("[")[0]
     allowed = checks.get(base)
     if allowed and (not isinstance(value, allowed) or (base != "bool" and isinstance(value, bool))):
         raise UsageError(f"option {name!r} must be {base}, got {value!r}")
@@ -152,6 +153,10 @@ def resolve(*layers: dict[str, Any]) -> RunSpec:
     """Merge option layers (lowest precedence first; None means 'not given') into a RunSpec."""
     merged: dict[str, Any] = {}
     for layer in layers:
+        switched = layer.get("backend") not in (None, merged.get("backend"))
+        if switched:  # a new preset brings its own URL and key variable, not the old ones
+            merged.pop("base_url", None)
+            merged.pop("api_key_env", None)
         for key, value in layer.items():
             if value is None:
                 continue

@@ -12,7 +12,7 @@ import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import orjson
 
@@ -46,14 +46,14 @@ REQUEST_FIELDS = frozenset(
         "echo",
     }
 )
+_PLAIN_KEYS = frozenset({"id", "prompt", "messages"})
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 BOM = b"\xef\xbb\xbf"
 _READ_CHUNK = 1 << 16
 
 
-@dataclass(frozen=True, slots=True)
-class InputItem:
-    """One valid input line, ready to be stored and sent."""
+class InputItem(NamedTuple):
+    """One valid input line, ready to be stored and sent (a NamedTuple: cheap to build)."""
 
     line: int
     item_id: str
@@ -63,8 +63,7 @@ class InputItem:
     meta: bytes | None  # extra top-level fields, JSON, handed back in the output
 
 
-@dataclass(frozen=True, slots=True)
-class BadLine:
+class BadLine(NamedTuple):
     line: int
     reason: str
 
@@ -135,7 +134,9 @@ class InputReader:
                 continue
             if number == 1 and raw.startswith(BOM):
                 raw = raw[len(BOM) :]
-            if not raw.strip():
+            if not raw or (
+                raw[0] != 0x7B and not raw.strip()
+            ):  # 0x7B: "{", how nearly every line starts
                 self.stats.blank_lines.append(number)
                 continue
             yield self.parse_line(number, raw)
@@ -171,18 +172,15 @@ class InputReader:
         if item_id is None:
             item_id = str(number)
         try:
-            body_json = orjson.dumps(body)
+            body_json = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
             meta_json = orjson.dumps(meta) if meta else None
         except TypeError as exc:  # e.g. lone surrogates cannot be encoded back
             raise _LineProblem(f"cannot be re-encoded as JSON: {exc}") from None
-        return InputItem(
-            line=number,
-            item_id=item_id,
-            endpoint=endpoint,
-            body=body_json,
-            digest=canonical_digest(self.defaults, body),
-            meta=meta_json,
-        )
+        if self.defaults:
+            digest = canonical_digest(self.defaults, body)
+        else:  # the stored body already is the canonical form
+            digest = hashlib.sha256(body_json).hexdigest()
+        return InputItem(number, item_id, endpoint, body_json, digest, meta_json)
 
 
 class _LineProblem(Exception):
@@ -248,11 +246,12 @@ def _plain_shape(
     item_id = _item_id(obj, "id")
     body: dict[str, Any] = {}
     meta: dict[str, Any] = {}
-    for key, value in obj.items():
-        if key in REQUEST_FIELDS:
-            body[key] = value
-        elif key not in ("id", "prompt", "messages"):
-            meta[key] = value
+    if not obj.keys() <= _PLAIN_KEYS:  # the common line has nothing but id and prompt/messages
+        for key, value in obj.items():
+            if key in REQUEST_FIELDS:
+                body[key] = value
+            elif key not in _PLAIN_KEYS:
+                meta[key] = value
     if "messages" in obj:
         if "prompt" in obj:
             raise _LineProblem("has both 'prompt' and 'messages'; give one")

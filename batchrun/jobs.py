@@ -107,7 +107,10 @@ def resolve_for_job(job: Job | None, *layers: dict[str, Any]) -> RunSpec:
 
 def build_backend(spec: RunSpec, transport: Transport | None = None) -> Backend:
     if spec.backend == "sim" and transport is None:
-        config = SimConfig(**{**SIM_DEFAULTS, **spec.sim_options})
+        try:
+            config = SimConfig(**{**SIM_DEFAULTS, **spec.sim_options})
+        except TypeError as exc:
+            raise UsageError(f"sim_options: {exc}") from None
         transport = SimTransport(SimModel(config))
     return OpenAICompatBackend(
         spec.base_url,

@@ -48,7 +48,8 @@ def native_record(row: dict[str, Any]) -> dict[str, Any]:
 
 def openai_record(row: dict[str, Any], model: str | None) -> dict[str, Any]:
     """The OpenAI Batch API output line: id, custom_id, response{status_code, request_id, body}."""
-    request_id = f"req_{row['digest'][:24]}" if row["digest"] else f"req_line{row['line']}"
+    # Unique per line even when two lines send the same request (same digest).
+    request_id = f"req_{row['line']}_{(row['digest'] or '')[:16] or 'rejected'}"
     record: dict[str, Any] = {
         "id": f"batch_{request_id}",
         "custom_id": row["item_id"],

@@ -174,6 +174,7 @@ class Runner:
 
     async def _feeder(self, send: ObjectSendStream[ClaimedItem]) -> None:
         batch_size = max(8, min(256, self.spec.concurrency * 2))
+        last_line = 0  # within a run nothing behind this line becomes pending again
         async with send:
             while not self._stopping.is_set():
                 batch = await self._db(
@@ -182,9 +183,11 @@ class Runner:
                     self.owner,
                     batch_size,
                     lease_ttl=self.settings.lease_ttl,
+                    after_line=last_line,
                 )
                 if not batch:
                     return
+                last_line = batch[-1].line
                 for item in batch:
                     if self._stopping.is_set():
                         return  # claimed but unsent items are released at the end

@@ -1,7 +1,9 @@
 """Loading input lines into the items table: fast batches, with a slow path for duplicates.
 
-Batches go in with one executemany each; when the unique index on (job, item_id) refuses a batch,
-that batch is replayed row by row under savepoints to find which lines repeat an earlier id.
+The insert is compiled once and sent as plain tuples through the driver's executemany, which is
+several times faster than SQLAlchemy's per-row parameter processing on a million lines. When the
+unique index on (job, item_id) refuses a batch, that batch is replayed row by row under savepoints
+to find which lines repeat an earlier id.
 """
 
 from __future__ import annotations
@@ -11,82 +13,102 @@ from typing import Any
 from sqlalchemy import Connection, select
 from sqlalchemy.exc import IntegrityError
 
-from batchrun.inputs import InputItem
+from batchrun.inputs import BadLine, InputItem
 from batchrun.ledger.schema import items
 
+BATCH_ROWS = 5000
+COLUMNS = (
+    "job", "line", "item_id", "endpoint", "body", "digest", "meta", "status", "attempts",
+    "error", "created_at", "updated_at",
+)  # fmt: skip
+_LINE, _ITEM_ID, _STATUS, _ERROR = (
+    COLUMNS.index(c) for c in ("line", "item_id", "status", "error")
+)
 
-def insert_batch(
-    conn: Connection,
-    batch: list[dict[str, Any]],
-    problems: list[tuple[int, str]],
-    skip_invalid: bool,
-    accepted: int,
-    rejected: int,
-) -> tuple[int, int]:
-    """Insert one batch; duplicates are added to `problems` (and stored as rejected when
-    skip_invalid). Returns the running (accepted, rejected) totals."""
-    n_rejected = sum(1 for row in batch if row["status"] == "rejected")
-    try:
-        with conn.begin_nested():
-            conn.execute(items.insert(), batch)
-        return accepted + len(batch) - n_rejected, rejected + n_rejected
-    except IntegrityError:
-        pass
-    # Rare path: some id in this batch repeats an earlier one. Insert row by row to find it.
-    for row in batch:
+Row = tuple[Any, ...]
+
+
+class Loader:
+    """Adds one job's lines to the items table inside the caller's transaction."""
+
+    def __init__(self, conn: Connection, job: str, now: float, *, skip_invalid: bool) -> None:
+        self.conn = conn
+        self.job = job
+        self.now = now
+        self.skip_invalid = skip_invalid
+        self.problems: list[tuple[int, str]] = []
+        self.accepted = 0
+        self.rejected = 0
+        self._batch: list[Row] = []
+        compiled = items.insert().compile(dialect=conn.dialect, column_keys=list(COLUMNS))
+        self._sql = str(compiled)
+        order = compiled.positiontup if compiled.positional else None
+        self._positional = order is not None
+        self._order: list[int] | None = None  # None: tuples already in the driver's order
+        if order is not None and order != list(COLUMNS):
+            self._order = [COLUMNS.index(name) for name in order]
+
+    def add(self, entry: InputItem | BadLine) -> None:
+        if isinstance(entry, BadLine):
+            self.problems.append((entry.line, entry.reason))
+            if self.skip_invalid:
+                self._batch.append(self._rejected(entry.line, str(entry.line), entry.reason))
+        else:
+            self._batch.append((
+                self.job, entry.line, entry.item_id, entry.endpoint, entry.body.decode(),
+                entry.digest, entry.meta.decode() if entry.meta else None, "pending", 0, None,
+                self.now, self.now,
+            ))  # fmt: skip
+        if len(self._batch) >= BATCH_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        batch, self._batch = self._batch, []
+        if not batch:
+            return
         try:
-            with conn.begin_nested():
-                conn.execute(items.insert(), row)
-            if row["status"] == "rejected":
-                rejected += 1
-            else:
-                accepted += 1
+            with self.conn.begin_nested():
+                self._insert(batch)
         except IntegrityError:
-            first = conn.execute(
-                select(items.c.line).where(
-                    items.c.job == row["job"],
-                    items.c.item_id == row["item_id"],
-                    items.c.status != "rejected",
-                )
-            ).scalar()
-            reason = f"duplicate id {row['item_id']!r} (first on line {first})"
-            problems.append((row["line"], reason))
-            if skip_invalid:
-                with conn.begin_nested():
-                    conn.execute(items.insert(), {**row, "status": "rejected", "error": reason})
-                rejected += 1
-    return accepted, rejected
+            self._insert_one_by_one(batch)  # rare: an id in this batch repeats an earlier one
+            return
+        n_rejected = sum(1 for row in batch if row[_STATUS] == "rejected")
+        self.accepted += len(batch) - n_rejected
+        self.rejected += n_rejected
 
+    def _insert(self, rows: list[Row]) -> None:
+        params: list[Any] = rows
+        if not self._positional:
+            params = [dict(zip(COLUMNS, row, strict=True)) for row in rows]
+        elif self._order is not None:
+            params = [tuple(row[i] for i in self._order) for row in rows]
+        self.conn.exec_driver_sql(self._sql, params)
 
-def pending_row(job: str, item: InputItem, now: float) -> dict[str, Any]:
-    return {
-        "job": job,
-        "line": item.line,
-        "item_id": item.item_id,
-        "endpoint": item.endpoint,
-        "body": item.body.decode(),
-        "digest": item.digest,
-        "meta": item.meta.decode() if item.meta else None,
-        "status": "pending",
-        "attempts": 0,
-        "error": None,
-        "created_at": now,
-        "updated_at": now,
-    }
+    def _insert_one_by_one(self, batch: list[Row]) -> None:
+        for row in batch:
+            try:
+                with self.conn.begin_nested():
+                    self._insert([row])
+            except IntegrityError:
+                first = self.conn.execute(
+                    select(items.c.line).where(
+                        items.c.job == self.job,
+                        items.c.item_id == row[_ITEM_ID],
+                        items.c.status != "rejected",
+                    )
+                ).scalar()
+                reason = f"duplicate id {row[_ITEM_ID]!r} (first on line {first})"
+                self.problems.append((row[_LINE], reason))
+                if self.skip_invalid:
+                    with self.conn.begin_nested():
+                        self._insert([self._rejected(row[_LINE], row[_ITEM_ID], reason)])
+                    self.rejected += 1
+                continue
+            if row[_STATUS] == "rejected":
+                self.rejected += 1
+            else:
+                self.accepted += 1
 
-
-def rejected_row(job: str, line: int, item_id: str, reason: str, now: float) -> dict[str, Any]:
-    return {
-        "job": job,
-        "line": line,
-        "item_id": item_id,
-        "endpoint": "",
-        "body": "null",
-        "digest": "",
-        "meta": None,
-        "status": "rejected",
-        "attempts": 0,
-        "error": reason,
-        "created_at": now,
-        "updated_at": now,
-    }
+    def _rejected(self, line: int, item_id: str, reason: str) -> Row:
+        return (self.job, line, item_id, "", "null", "", None, "rejected", 0, reason, self.now,
+                self.now)  # fmt: skip

@@ -12,14 +12,13 @@ from collections.abc import Callable
 
 from sqlalchemy import Connection, Engine, select
 
-from batchrun.ledger.schema import items, items_id_unique, items_status, jobs, schema_migrations
+from batchrun.ledger.schema import items, items_id_unique, jobs, schema_migrations
 
 
 def _v1_initial(conn: Connection) -> None:
     jobs.create(conn, checkfirst=True)
     items.create(conn, checkfirst=True)
     items_id_unique.create(conn, checkfirst=True)
-    items_status.create(conn, checkfirst=True)
 
 
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [

@@ -69,6 +69,9 @@ items = Table(
     Column("error", Text),
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
+    # Rows live in (job, line) order in the primary-key B-tree itself: one B-tree fewer to
+    # maintain on ingest, and claims walk it as a range scan.
+    sqlite_with_rowid=False,
 )
 
 # Ids are unique per job among real items; rejected lines may repeat an id (that is why they
@@ -81,4 +84,3 @@ items_id_unique = Index(
     sqlite_where=text("status != 'rejected'"),
     postgresql_where=text("status != 'rejected'"),
 )
-items_status = Index("ix_items_job_status_line", items.c.job, items.c.status, items.c.line)

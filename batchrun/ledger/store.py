@@ -19,12 +19,10 @@ from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from batchrun.errors import InputError, JobBusy, LedgerError, UsageError
 from batchrun.inputs import BadLine, InputItem
 from batchrun.ledger.engine import make_engine
-from batchrun.ledger.ingest import insert_batch, pending_row, rejected_row
+from batchrun.ledger.ingest import Loader
 from batchrun.ledger.migrations import migrate
 from batchrun.ledger.records import ClaimedItem, IngestReport, ItemResult, Job
 from batchrun.ledger.schema import STATUSES, items, jobs
-
-INGEST_BATCH = 5000
 
 
 @contextmanager
@@ -94,8 +92,6 @@ class Ledger:
         after `lines` is exhausted, so a streaming reader can hash the file as it goes.
         """
         now = time.time()
-        problems: list[tuple[int, str]] = []
-        accepted = rejected = 0
         with _storage_errors("loading the input"), self.engine.connect() as conn, conn.begin():
             conn.execute(
                 jobs.insert().values(
@@ -108,25 +104,11 @@ class Ledger:
                     updated_at=now,
                 )
             )
-            batch: list[dict[str, Any]] = []
+            loader = Loader(conn, name, now, skip_invalid=skip_invalid)
             for entry in lines:
-                if isinstance(entry, BadLine):
-                    problems.append((entry.line, entry.reason))
-                    if skip_invalid:
-                        batch.append(
-                            rejected_row(name, entry.line, str(entry.line), entry.reason, now)
-                        )
-                else:
-                    batch.append(pending_row(name, entry, now))
-                if len(batch) >= INGEST_BATCH:
-                    accepted, rejected = insert_batch(
-                        conn, batch, problems, skip_invalid, accepted, rejected
-                    )
-                    batch = []
-            if batch:
-                accepted, rejected = insert_batch(
-                    conn, batch, problems, skip_invalid, accepted, rejected
-                )
+                loader.add(entry)
+            loader.flush()
+            problems, accepted, rejected = loader.problems, loader.accepted, loader.rejected
             # Raising inside the transaction rolls all of it back: no job, no items.
             if problems and not skip_invalid:
                 problems.sort()
@@ -211,12 +193,18 @@ class Ledger:
 
     # --- items ------------------------------------------------------------------------------
 
-    def claim(self, name: str, owner: str, limit: int, *, lease_ttl: float) -> list[ClaimedItem]:
-        """Lease up to `limit` pending items, lowest line first."""
+    def claim(
+        self, name: str, owner: str, limit: int, *, lease_ttl: float, after_line: int = 0
+    ) -> list[ClaimedItem]:
+        """Lease up to `limit` pending items after `after_line`, lowest line first.
+
+        A runner passes the last line it claimed, so each claim is a short range scan of the
+        primary key instead of a walk over every finished item before it.
+        """
         now = time.time()
         pending = (
             select(items.c.line)
-            .where(items.c.job == name, items.c.status == "pending")
+            .where(items.c.job == name, items.c.line > after_line, items.c.status == "pending")
             .order_by(items.c.line)
             .limit(limit)
             .scalar_subquery()
