@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import orjson
 
-WORDS = "rewrite the following product description for a friendly online store page".split()
+WORDS = ["rewrite", "the", "following", "product", "description", "for", "a", "friendly", "online", "store", "page"]
 
 
 def generate(path: Path, lines: int) -> None:
@@ -34,9 +33,13 @@ def generate(path: Path, lines: int) -> None:
             if i % 3 == 0:
                 record = {"id": f"p{i}", "prompt": prompt, "max_tokens": 128, "sku": i}
             else:
-                record = {"id": f"p{i}", "messages": [
-                    {"role": "system", "content": "You are a copywriter."},
-                    {"role": "user", "content": prompt}]}
+                record = {
+                    "id": f"p{i}",
+                    "messages": [
+                        {"role": "system", "content": "You are a copywriter."},
+                        {"role": "user", "content": prompt},
+                    ],
+                }
             f.write(json.dumps(record) + "\n")
 
 
@@ -55,8 +58,19 @@ def batchrun_load(path: Path, home: Path) -> tuple[float, float]:
     ledger = home / "jobs" / "ledger.db"
     for suffix in ("", "-wal", "-shm"):
         Path(f"{ledger}{suffix}").unlink(missing_ok=True)
-    command = [sys.executable, "-m", "batchrun", "--home", str(home), "submit", str(path),
-               "--backend", "sim", "--no-run", "--quiet"]
+    command = [
+        sys.executable,
+        "-m",
+        "batchrun",
+        "--home",
+        str(home),
+        "submit",
+        str(path),
+        "--backend",
+        "sim",
+        "--no-run",
+        "--quiet",
+    ]
     started = time.perf_counter()
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     _pid, status, usage = os.wait4(proc.pid, 0)
@@ -68,8 +82,7 @@ def batchrun_load(path: Path, home: Path) -> tuple[float, float]:
 
 def python_startup() -> float:
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "batchrun", "--version"], check=True,
-                   capture_output=True)
+    subprocess.run([sys.executable, "-m", "batchrun", "--version"], check=True, capture_output=True)
     return time.perf_counter() - started
 
 
@@ -92,8 +105,10 @@ def main() -> None:
         startup = python_startup()
         parse, load = statistics.median(parses), statistics.median(loads)
         print(f"plain orjson parse:      {parse:7.2f} s  ({args.lines / parse:,.0f} lines/s)")
-        print(f"batchrun submit --no-run:{load:7.2f} s  ({args.lines / load:,.0f} lines/s), "
-              f"includes {startup:.2f} s interpreter+import startup")
+        print(
+            f"batchrun submit --no-run:{load:7.2f} s  ({args.lines / load:,.0f} lines/s), "
+            f"includes {startup:.2f} s interpreter+import startup"
+        )
         print(f"ratio (batchrun / plain): {load / parse:.2f}x   target <= 5x")
         print(f"peak RSS of batchrun:    {max(rss):7.1f} MB   target < 200 MB")
         print(f"runs: parse {['%.2f' % p for p in parses]}, load {['%.2f' % x for x in loads]}")

@@ -131,13 +131,15 @@ class OpenAICompatBackend:
         finish: str | None = None
         usage: dict[str, Any] | None = None
         done = False
+        # Read to the end rather than break at [DONE]: servers close the body right after it,
+        # and a generator left half-read costs a finaliser task per layer of httpx's stream.
         async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
+            if done or not line.startswith("data:"):
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
                 done = True
-                break
+                continue
             try:
                 chunk = orjson.loads(data)
             except orjson.JSONDecodeError:
