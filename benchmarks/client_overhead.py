@@ -72,10 +72,10 @@ async def bare_loop(url: str, texts: list[str], concurrency: int, in_process: bo
 
     started = time.perf_counter()
     transport = SimTransport(SimModel(ZERO_LATENCY)) if in_process else None
-    async with httpx.AsyncClient(limits=limits, timeout=60, transport=transport) as client:
-        async with anyio.create_task_group() as tg:
-            for _ in range(concurrency):
-                tg.start_soon(worker, client)
+    client = httpx.AsyncClient(limits=limits, timeout=60, transport=transport)
+    async with client, anyio.create_task_group() as tg:
+        for _ in range(concurrency):
+            tg.start_soon(worker, client)
     return len(texts) / (time.perf_counter() - started)
 
 

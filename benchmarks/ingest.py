@@ -22,7 +22,8 @@ from pathlib import Path
 
 import orjson
 
-WORDS = ["rewrite", "the", "following", "product", "description", "for", "a", "friendly", "online", "store", "page"]
+WORDS = ("rewrite", "the", "following", "product", "description", "for", "a", "friendly",
+         "online", "store", "page")  # fmt: skip
 
 
 def generate(path: Path, lines: int) -> None:
@@ -111,7 +112,9 @@ def main() -> None:
         )
         print(f"ratio (batchrun / plain): {load / parse:.2f}x   target <= 5x")
         print(f"peak RSS of batchrun:    {max(rss):7.1f} MB   target < 200 MB")
-        print(f"runs: parse {['%.2f' % p for p in parses]}, load {['%.2f' % x for x in loads]}")
+        print(
+            f"runs (s): parse {[round(p, 2) for p in parses]}, load {[round(x, 2) for x in loads]}"
+        )
 
 
 if __name__ == "__main__":
