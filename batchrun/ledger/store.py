@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Engine, and_, bindparam, func, select, update
-from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
 from batchrun.errors import InputError, JobBusy, LedgerError, UsageError
 from batchrun.inputs import BadLine, InputItem
@@ -32,10 +32,11 @@ def _storage_errors(action: str) -> Iterator[None]:
         yield
     except UsageError:
         raise
-    except OperationalError as exc:
-        raise LedgerError(f"ledger error while {action}: {exc.orig}") from None
     except SQLAlchemyError as exc:
-        raise LedgerError(f"ledger error while {action}: {exc}") from None
+        # The driver's own message only: SQLAlchemy's text would repeat the SQL and its
+        # parameters, which hold prompts.
+        reason = getattr(exc, "orig", None) or type(exc).__name__
+        raise LedgerError(f"ledger error while {action}: {reason}") from None
 
 
 class Ledger:
@@ -93,6 +94,8 @@ class Ledger:
         """
         now = time.time()
         with _storage_errors("loading the input"), self.engine.connect() as conn, conn.begin():
+            if conn.execute(select(jobs.c.name).where(jobs.c.name == name)).first():
+                raise UsageError(f"job {name!r} already exists")
             conn.execute(
                 jobs.insert().values(
                     name=name,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import inspect, text
 
-from batchrun.errors import InputError, JobBusy, UsageError
+from batchrun.errors import InputError, JobBusy, LedgerError, UsageError
 from batchrun.inputs import BadLine, InputItem
 from batchrun.ledger import ItemResult, Ledger
 from batchrun.ledger.engine import make_engine
@@ -299,3 +299,19 @@ def test_ledger_survives_reopen(tmp_path: Path) -> None:
     second = Ledger(url)
     assert second.counts("j")["done"] == 1
     assert os.path.exists(tmp_path / "ledger.db")
+
+
+def test_creating_an_existing_job_is_a_usage_error(ledger: Ledger) -> None:
+    make_job(ledger, 2)
+    with pytest.raises(UsageError, match="already exists"):
+        make_job(ledger, 2)
+    assert ledger.counts("j")["pending"] == 2
+
+
+def test_storage_errors_do_not_echo_sql_or_prompts(tmp_path: Path) -> None:
+    db = tmp_path / "ledger.db"
+    db.write_bytes(b"this is not a database, it holds a secret prompt" * 100)
+    with pytest.raises(LedgerError) as caught:
+        Ledger(f"sqlite:///{db}")
+    assert "not a database" in str(caught.value)
+    assert "SELECT" not in str(caught.value) and "secret prompt" not in str(caught.value)
