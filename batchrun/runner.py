@@ -211,6 +211,17 @@ class Runner:
         summary = None if self.log.redact else input_summary(body)
         attempts = 0
 
+        def log_attempt(status: str, **fields: Any) -> None:
+            self.log.attempt(
+                item_id=item.item_id,
+                line=item.line,
+                digest=item.digest,
+                summary=summary,
+                attempt=item.attempts + attempts,
+                status=status,
+                **fields,
+            )
+
         async def attempt() -> Completion:
             nonlocal attempts
             attempts += 1
@@ -220,25 +231,15 @@ class Runner:
             try:
                 completion = await self.backend.complete(request)
             except RequestError as exc:
-                self.log.attempt(
-                    item_id=item.item_id,
-                    line=item.line,
-                    digest=item.digest,
-                    summary=summary,
-                    attempt=item.attempts + attempts,
-                    status="error",
+                log_attempt(
+                    "error",
                     http_status=exc.status,
                     error_kind=type(exc).__name__,
                     error=str(exc),
                 )
                 raise
-            self.log.attempt(
-                item_id=item.item_id,
-                line=item.line,
-                digest=item.digest,
-                summary=summary,
-                attempt=item.attempts + attempts,
-                status="ok",
+            log_attempt(
+                "ok",
                 latency_ms=round(completion.latency_s * 1000, 1),
                 ttft_ms=_ms(completion.ttft_s),
                 prompt_tokens=completion.prompt_tokens,
