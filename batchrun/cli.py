@@ -18,7 +18,7 @@ import orjson
 
 from batchrun import __version__, jobs
 from batchrun.config import PRESETS, RunSpec, load_spec_file
-from batchrun.errors import BatchrunError, FatalError, LedgerError, OutputError, UsageError
+from batchrun.errors import BatchrunError, FatalError, UsageError
 from batchrun.jobs import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_USAGE, Home
 from batchrun.ledger import Ledger
 from batchrun.outputs import FORMATS
@@ -37,9 +37,6 @@ def _errors_to_exit_codes(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (UsageError, LedgerError, OutputError) as exc:
-            _say(f"error: {exc}")
-            sys.exit(EXIT_USAGE)
         except FatalError as exc:
             _say(f"aborted: {exc}")
             sys.exit(EXIT_ABORTED)

@@ -16,7 +16,7 @@ from typing import Any
 
 from batchrun.errors import UsageError
 
-ENDPOINT_PATHS = {"chat": "/chat/completions", "completions": "/completions"}
+ENDPOINTS = ("chat", "completions")
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,8 @@ def load_spec_file(path: Path) -> dict[str, Any]:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UsageError(f"spec file not found: {path}") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read spec file {path}: {exc.strerror or exc}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UsageError(f"spec file {path} is not valid TOML: {exc}") from None
     return {k.replace("-", "_"): v for k, v in data.items()}
@@ -186,7 +188,7 @@ def resolve(*layers: dict[str, Any]) -> RunSpec:
 
 
 def _validate(spec: RunSpec, preset: Preset) -> None:
-    if spec.endpoint not in ENDPOINT_PATHS:
+    if spec.endpoint not in ENDPOINTS:
         raise UsageError(f"--endpoint must be chat or completions, got {spec.endpoint!r}")
     if spec.concurrency < 1:
         raise UsageError("--concurrency must be at least 1")

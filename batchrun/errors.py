@@ -111,6 +111,10 @@ class JobBusy(UsageError):
 class LedgerError(BatchrunError):
     """The ledger could not be opened, read or written (disk full, read-only, corrupt)."""
 
+    def __init__(self, message: str, *, busy: bool = False) -> None:
+        super().__init__(message)
+        self.busy = busy  # another process held the lock past the busy timeout
+
 
 class OutputError(BatchrunError):
     """The results file could not be written; any earlier results file is left untouched."""

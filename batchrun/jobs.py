@@ -6,6 +6,7 @@ calls these functions (the async ones through anyio.run) and maps errors to exit
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import signal
 from dataclasses import dataclass, replace
@@ -17,11 +18,12 @@ import orjson
 
 from batchrun.backends import Backend, OpenAICompatBackend, Transport
 from batchrun.config import RunSpec, preset_for, resolve
-from batchrun.errors import FatalError, RequestError, UsageError
+from batchrun.errors import BatchrunError, EndpointDown, FatalError, RequestError, UsageError
 from batchrun.inputs import InputReader, file_digest
 from batchrun.ledger import IngestReport, Job, Ledger
 from batchrun.outputs import write_results
 from batchrun.progress import JobLog, Progress
+from batchrun.retry import OutageWatch, RetryPolicy
 from batchrun.runner import Runner, RunnerSettings, RunStats
 from batchrun.sim import SimConfig, SimModel, SimTransport
 from batchrun.validate import SchemaCheck, load_schema
@@ -96,25 +98,48 @@ def create_job(ledger: Ledger, name: str, input_path: Path, spec: RunSpec) -> In
 def same_input(job: Job, input_path: Path) -> bool:
     try:
         return file_digest(input_path) == job.input_digest
-    except FileNotFoundError:
-        raise UsageError(f"input file not found: {input_path}") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read input file {input_path}: {exc.strerror or exc}") from None
 
 
 def resolve_for_job(job: Job | None, *layers: dict[str, Any]) -> RunSpec:
+    """The job's spec for this run, checked before anything is loaded or sent: the schema file
+    is read and stored by absolute path, the simulator options are type-checked."""
     base = stored_spec(job) if job else {}
-    return resolve(base, *layers)
+    spec = resolve(base, *layers)
+    if spec.schema:
+        load_schema(spec.schema)
+        spec = replace(spec, schema=str(Path(spec.schema).resolve()))
+    if spec.backend == "sim":
+        sim_config(spec)
+    return spec
+
+
+def sim_config(spec: RunSpec) -> SimConfig:
+    """The in-process simulator's settings: defaults, then the spec's `sim_options`."""
+    options = {**SIM_DEFAULTS, **spec.sim_options}
+    defaults = {f.name: f.default for f in dataclasses.fields(SimConfig)}
+    accepted = {float: (int, float), int: (int,), bool: (bool,), tuple: (list, tuple)}
+    for key, value in options.items():
+        if key not in defaults:
+            raise UsageError(f"sim_options: unknown option {key!r} (known: {', '.join(defaults)})")
+        kind = type(defaults[key])
+        allowed = accepted.get(kind)
+        wrong_type = allowed is not None and not isinstance(value, allowed)
+        bool_for_number = isinstance(value, bool) and kind is not bool
+        if wrong_type or bool_for_number:
+            raise UsageError(f"sim_options: {key} must be {kind.__name__}, got {value!r}")
+    if isinstance(options.get("models"), list):
+        options["models"] = tuple(options["models"])
+    return SimConfig(**options)
 
 
 def build_backend(spec: RunSpec, transport: Transport | None = None) -> Backend:
     if spec.backend == "sim" and transport is None:
-        try:
-            config = SimConfig(**{**SIM_DEFAULTS, **spec.sim_options})
-        except TypeError as exc:
-            raise UsageError(f"sim_options: {exc}") from None
-        transport = SimTransport(SimModel(config))
+        transport = SimTransport(SimModel(sim_config(spec)))
     return OpenAICompatBackend(
         spec.base_url,
-        api_key=spec.api_key(),
+        api_key=checked_key(spec),
         timeout=spec.timeout,
         stream=spec.stream,
         stream_options=preset_for(spec).stream_options,
@@ -123,16 +148,30 @@ def build_backend(spec: RunSpec, transport: Transport | None = None) -> Backend:
     )
 
 
-async def pick_model(backend: Backend, spec: RunSpec) -> RunSpec:
-    """With no --model, use the one model a local server serves (llama.cpp, vLLM...)."""
+def checked_key(spec: RunSpec) -> str | None:
+    """The API key, refused early if it cannot be a header value (a stray newline from a
+    secrets file would otherwise be echoed back by the HTTP library in an error)."""
+    key = spec.api_key()
+    if key is not None and not (key.isascii() and key.isprintable() and " " not in key):
+        raise UsageError(
+            f"the API key in ${spec.api_key_env} has whitespace, control or non-ASCII "
+            "characters (a trailing newline?); fix the variable"
+        )
+    return key
+
+
+async def pick_model(backend: Backend, spec: RunSpec, policy: RetryPolicy) -> RunSpec:
+    """With no --model, use the one model a local server serves (llama.cpp, vLLM...).
+
+    A server that is still starting gets the outage grace period to answer."""
     if spec.model:
         return spec
     try:
-        models = await backend.list_models()
+        models = await policy.call_within(backend.list_models, spec.outage_grace)
     except FatalError:
         raise
     except RequestError as exc:
-        raise FatalError(f"cannot list models at {spec.base_url}: {exc}") from None
+        raise EndpointDown(f"cannot list models at {spec.base_url}: {exc}") from None
     if not models:
         raise FatalError(f"{spec.base_url}/models lists no model; give --model")
     return replace(spec, model=models[0])
@@ -151,11 +190,17 @@ async def run_job(
 ) -> RunStats:
     """Run every item that is not final yet. Ctrl-C/SIGTERM stop it gracefully."""
     schema = SchemaCheck(load_schema(spec.schema)) if spec.schema else None
+    settings = settings or RunnerSettings()
     backend = build_backend(spec, transport)
     log = JobLog(home.log_path(name), name, redact=spec.redact)
+    policy = RetryPolicy(
+        spec.max_attempts,
+        OutageWatch(spec.outage_grace, settings.outage_clock),
+        sleep=settings.retry_sleep,
+    )
     try:
         try:
-            spec = await pick_model(backend, spec)
+            spec = await pick_model(backend, spec, policy)
         except FatalError as exc:
             log.event("abort", error=str(exc), kind=type(exc).__name__)
             return RunStats(aborted=str(exc))
@@ -184,12 +229,29 @@ async def run_job(
                     tg.start_soon(_stop_on_signals, runner)
                 stats = await runner.run()
                 tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            raise _single_error(group) from None
         finally:
             progress.close()
         return stats
     finally:
         log.close()
         await backend.aclose()
+
+
+def _single_error(group: BaseExceptionGroup) -> BaseException:
+    """Task groups wrap errors; hand the caller the batchrun error inside, if there is one,
+    so it gets its message and exit code instead of a traceback."""
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        exc = stack.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    ours = [e for e in leaves if isinstance(e, BatchrunError)]
+    return ours[0] if ours else group
 
 
 async def _stop_on_signals(runner: Runner) -> None:

@@ -15,6 +15,8 @@ from typing import IO, Any
 import orjson
 from tqdm import tqdm
 
+from batchrun.errors import OutputError
+
 SUMMARY_CHARS = 80
 
 
@@ -38,8 +40,12 @@ def input_summary(body: dict[str, Any]) -> str:
 
 class JobLog:
     def __init__(self, path: Path, job: str, *, redact: bool = False) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[bytes] = path.open("ab")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file: IO[bytes] = path.open("ab")
+        except OSError as exc:
+            raise OutputError(f"cannot open the job log {path}: {exc.strerror or exc}") from None
+        self.path = path
         self.job = job
         self.redact = redact
         self._pending: list[bytes] = []
@@ -75,9 +81,13 @@ class JobLog:
 
     def flush(self) -> None:
         if self._pending:
-            self._file.write(b"".join(self._pending))
-            self._pending.clear()
-            self._file.flush()
+            try:
+                self._file.write(b"".join(self._pending))
+                self._file.flush()
+            except OSError as exc:
+                raise OutputError(f"cannot write the job log {self.path}: {exc.strerror}") from None
+            finally:
+                self._pending.clear()
 
     def close(self) -> None:
         self.flush()

@@ -26,7 +26,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from batchrun.backends import Backend, Completion, CompletionRequest
 from batchrun.config import RunSpec
-from batchrun.errors import FatalError, RequestError
+from batchrun.errors import BatchrunError, FatalError, JobBusy, LedgerError, RequestError
 from batchrun.ledger import ClaimedItem, ItemResult, Ledger
 from batchrun.progress import JobLog, Progress, input_summary
 from batchrun.retry import OutageWatch, RetryPolicy, Sleep
@@ -35,6 +35,7 @@ from batchrun.validate import SchemaCheck
 T = TypeVar("T")
 
 MAX_GROUP = 1000  # results per commit at most
+LEASE_TTL = 60.0  # a runner whose heartbeat is older than this is taken for dead
 
 
 @dataclass
@@ -53,9 +54,10 @@ class RunStats:
 
 @dataclass(frozen=True)
 class RunnerSettings:
-    lease_ttl: float = 60.0
+    lease_ttl: float = LEASE_TTL
     commit_interval: float = 0.2
     drain_timeout: float = 10.0
+    busy_patience: float = 600.0  # how long to wait for another process's ledger lock
     retry_sleep: Sleep = anyio.sleep
     outage_clock: Callable[[], float] = time.monotonic
 
@@ -101,14 +103,26 @@ class Runner:
         self.stats.interrupted = True
         self._stopping.set()
 
-    def _abort(self, error: FatalError) -> None:
+    def _abort(self, error: BatchrunError) -> None:
         if self.stats.aborted is None:
             self.stats.aborted = str(error)
             self.log.event("abort", error=str(error), kind=type(error).__name__)
         self._stopping.set()
 
     async def _db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs), limiter=self._db_lock)
+        """Run a ledger call in a thread; wait out another process's long write lock (e.g. a
+        big ingest into the same ledger) instead of failing the run."""
+        deadline = time.monotonic() + self.settings.busy_patience
+        while True:
+            try:
+                return await anyio.to_thread.run_sync(
+                    lambda: fn(*args, **kwargs), limiter=self._db_lock
+                )
+            except LedgerError as exc:
+                if not exc.busy or time.monotonic() > deadline:
+                    raise
+                self.log.event("ledger_busy", error=str(exc))
+                await anyio.sleep(1.0)
 
     # --- the run --------------------------------------------------------------------------
 
@@ -168,9 +182,12 @@ class Runner:
     async def _heartbeat(self) -> None:
         while True:
             await anyio.sleep(self.settings.lease_ttl / 3)
-            await self._db(
+            held = await self._db(
                 self.ledger.heartbeat, self.job, self.owner, lease_ttl=self.settings.lease_ttl
             )
+            if not held:  # we stalled past the lease and another runner took the job over
+                self._abort(JobBusy(f"another process took over job {self.job!r}"))
+                return
 
     async def _feeder(self, send: ObjectSendStream[ClaimedItem]) -> None:
         batch_size = max(8, min(256, self.spec.concurrency * 2))
@@ -194,7 +211,9 @@ class Runner:
                     await send.send(item)
 
     async def _worker(
-        self, work: ObjectReceiveStream[ClaimedItem], results: ObjectSendStream[ItemResult]
+        self,
+        work: ObjectReceiveStream[ClaimedItem],
+        results: MemoryObjectSendStream[ItemResult],
     ) -> None:
         async with work, results:
             async for item in work:
@@ -202,7 +221,7 @@ class Runner:
                     continue  # left running; released to pending when the run ends
                 result = await self._process(item)
                 if result is not None:
-                    await results.send(result)
+                    results.send_nowait(result)  # unbounded: never drops a finished result
 
     async def _process(self, item: ClaimedItem) -> ItemResult | None:
         line_body = orjson.loads(item.body)
@@ -249,7 +268,7 @@ class Runner:
             return completion
 
         try:
-            completion = await self.policy.call(attempt)
+            completion = await self.policy.call(attempt, key=item.line)
         except FatalError as exc:
             self._abort(exc)
             return None

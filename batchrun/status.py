@@ -7,12 +7,13 @@ from typing import Any
 
 import orjson
 
-from batchrun.ledger import STATUSES, Job, Ledger
+from batchrun.ledger import STATUSES, Job, Ledger, runner_alive
+from batchrun.runner import LEASE_TTL
 
 
 def _state(job: Job, counts: dict[str, int]) -> str:
-    if job.runner_owner and job.runner_heartbeat and time.time() - job.runner_heartbeat < 120:
-        return f"running (pid {job.runner_pid})"
+    if job.runner_owner and runner_alive(job.__dict__, time.time(), LEASE_TTL):
+        return f"running (pid {job.runner_pid} on {job.runner_host})"
     if counts["pending"] or counts["running"]:
         return "stopped"
     bad = counts["failed"] + counts["invalid"] + counts["rejected"]

@@ -34,6 +34,8 @@ def load_schema(path: str) -> dict[str, Any]:
         schema = orjson.loads(Path(path).read_bytes())
     except FileNotFoundError:
         raise UsageError(f"schema file not found: {path}") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read schema file {path}: {exc.strerror or exc}") from None
     except orjson.JSONDecodeError as exc:
         raise UsageError(f"schema file {path} is not valid JSON: {exc}") from None
     try:

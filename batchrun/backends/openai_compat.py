@@ -150,7 +150,12 @@ class OpenAICompatBackend:
                 raise Overloaded(f"server error mid-stream: {str(chunk['error'])[:300]}")
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            for choice in chunk.get("choices") or []:
+            choices = chunk.get("choices") or []
+            if not isinstance(choices, list):
+                raise StreamCut(f"malformed stream chunk: 'choices' is {type(choices).__name__}")
+            for choice in choices:
+                if not isinstance(choice, dict):
+                    raise StreamCut("malformed stream chunk: a choice is not an object")
                 piece = _choice_text(choice, endpoint, streamed=True)
                 if piece:
                     if ttft is None:
@@ -169,8 +174,8 @@ class OpenAICompatBackend:
         except orjson.JSONDecodeError:
             raise StreamCut(f"response is not JSON: {content[:100]!r}") from None
         choices = data.get("choices") if isinstance(data, dict) else None
-        if not choices or not isinstance(choices[0], dict):
-            raise StreamCut("response has no choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise StreamCut("response has no usable choices")
         text = _choice_text(choices[0], endpoint, streamed=False) or ""
         return _completion(text, choices[0].get("finish_reason"), data.get("usage"), started, None)
 
@@ -184,8 +189,18 @@ class OpenAICompatBackend:
 
         Applied once, where errors leave this class, so no message built inside can escape it.
         """
-        if self._api_key and self._api_key in str(error):
-            error.args = (str(error).replace(self._api_key, "***"),)
+        key = self._api_key
+        if not key:
+            return error
+        text = str(error)
+        for form in (key, repr(key)[1:-1]):
+            text = text.replace(form, "***")
+        # A server message cut at its length limit may end in the first part of the key.
+        for n in range(len(key) - 1, 7, -1):
+            if text.endswith(key[:n]):
+                text = text[:-n] + "***"
+                break
+        error.args = (text,)
         return error
 
 

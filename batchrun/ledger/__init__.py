@@ -2,7 +2,7 @@
 
 from batchrun.ledger.records import ClaimedItem, IngestReport, ItemResult, Job
 from batchrun.ledger.schema import FINAL_STATUSES, STATUSES
-from batchrun.ledger.store import Ledger
+from batchrun.ledger.store import Ledger, runner_alive
 
 __all__ = [
     "FINAL_STATUSES",
@@ -12,4 +12,5 @@ __all__ = [
     "ItemResult",
     "Job",
     "Ledger",
+    "runner_alive",
 ]

@@ -1,7 +1,8 @@
 """Engine setup: SQLite tuned for one durable writer (WAL, busy timeout, BEGIN IMMEDIATE).
 
-BEGIN IMMEDIATE takes the write lock when a transaction starts instead of at its first write, so
-two processes never both read, then both fail to upgrade to a write lock mid-transaction.
+BEGIN IMMEDIATE takes the write lock when a write transaction starts instead of at its first
+write, so two processes never both read, then both fail to upgrade to a write lock
+mid-transaction. Reads begin deferred, so `status` never queues behind a writer.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from sqlalchemy.engine import make_url
 from batchrun.errors import LedgerError
 
 BUSY_TIMEOUT_MS = 30_000
+WRITE_OPTION = "batchrun_write"  # execution option marking a write transaction
 
 
 def make_engine(url: str) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=True)
+        try:
+            return create_engine(url, pool_pre_ping=True)
+        except ImportError as exc:
+            raise LedgerError(f"the ledger URL needs a database driver: {exc}") from None
     database = parsed.database or ""
     if database and database != ":memory:":
         folder = Path(database).parent
@@ -47,6 +52,8 @@ def make_engine(url: str) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        # Writers lock at BEGIN; readers start a deferred transaction and never wait in WAL.
+        write = conn.get_execution_options().get(WRITE_OPTION)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
     return engine

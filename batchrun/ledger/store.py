@@ -13,12 +13,12 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Engine, and_, bindparam, func, select, update
+from sqlalchemy import Connection, Engine, and_, bindparam, func, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from batchrun.errors import InputError, JobBusy, LedgerError, UsageError
 from batchrun.inputs import BadLine, InputItem
-from batchrun.ledger.engine import make_engine
+from batchrun.ledger.engine import WRITE_OPTION, make_engine
 from batchrun.ledger.ingest import Loader
 from batchrun.ledger.migrations import migrate
 from batchrun.ledger.records import ClaimedItem, IngestReport, ItemResult, Job
@@ -35,8 +35,9 @@ def _storage_errors(action: str) -> Iterator[None]:
     except SQLAlchemyError as exc:
         # The driver's own message only: SQLAlchemy's text would repeat the SQL and its
         # parameters, which hold prompts.
-        reason = getattr(exc, "orig", None) or type(exc).__name__
-        raise LedgerError(f"ledger error while {action}: {reason}") from None
+        reason = str(getattr(exc, "orig", None) or type(exc).__name__)
+        busy = "locked" in reason or "busy" in reason
+        raise LedgerError(f"ledger error while {action}: {reason}", busy=busy) from None
 
 
 class Ledger:
@@ -49,27 +50,41 @@ class Ledger:
     def close(self) -> None:
         self.engine.dispose()
 
+    @contextmanager
+    def _write(self, action: str) -> Iterator[Connection]:
+        """A write transaction: BEGIN IMMEDIATE on SQLite, so it holds the lock from the start."""
+        with _storage_errors(action), self.engine.connect() as conn:
+            conn.execution_options(**{WRITE_OPTION: True})
+            with conn.begin():
+                yield conn
+
+    @contextmanager
+    def _read(self, action: str) -> Iterator[Connection]:
+        """A read: a deferred transaction, which never waits for a writer in WAL mode."""
+        with _storage_errors(action), self.engine.connect() as conn:
+            yield conn
+
     # --- jobs ------------------------------------------------------------------------------
 
     def get_job(self, name: str) -> Job | None:
-        with _storage_errors("reading a job"), self.engine.connect() as conn:
+        with self._read("reading a job") as conn:
             row = conn.execute(select(jobs).where(jobs.c.name == name)).mappings().first()
         return Job(**row) if row else None
 
     def list_jobs(self) -> list[Job]:
-        with _storage_errors("listing jobs"), self.engine.connect() as conn:
+        with self._read("listing jobs") as conn:
             rows = conn.execute(select(jobs).order_by(jobs.c.created_at)).mappings().all()
         return [Job(**r) for r in rows]
 
     def update_spec(self, name: str, spec: str) -> None:
-        with _storage_errors("updating a job"), self.engine.begin() as conn:
+        with self._write("updating a job") as conn:
             conn.execute(
                 update(jobs).where(jobs.c.name == name).values(spec=spec, updated_at=time.time())
             )
 
     def mark_finished(self, name: str, finished: bool) -> None:
         now = time.time()
-        with _storage_errors("updating a job"), self.engine.begin() as conn:
+        with self._write("updating a job") as conn:
             conn.execute(
                 update(jobs)
                 .where(jobs.c.name == name)
@@ -93,7 +108,7 @@ class Ledger:
         after `lines` is exhausted, so a streaming reader can hash the file as it goes.
         """
         now = time.time()
-        with _storage_errors("loading the input"), self.engine.connect() as conn, conn.begin():
+        with self._write("loading the input") as conn:
             if conn.execute(select(jobs.c.name).where(jobs.c.name == name)).first():
                 raise UsageError(f"job {name!r} already exists")
             conn.execute(
@@ -137,10 +152,14 @@ class Ledger:
         """
         now = time.time()
         host = socket.gethostname()
-        with _storage_errors("locking the job"), self.engine.begin() as conn:
-            job = conn.execute(select(jobs).where(jobs.c.name == name)).mappings().one()
+        with self._write("locking the job") as conn:
+            job = (
+                conn.execute(select(jobs).where(jobs.c.name == name).with_for_update())
+                .mappings()
+                .one()
+            )
             holder = job["runner_owner"]
-            if holder and holder != owner and _runner_alive(job, now, ttl, host):
+            if holder and holder != owner and runner_alive(job, now, ttl, host):
                 raise JobBusy(
                     f"job {name!r} is being run by process {job['runner_pid']} on "
                     f"{job['runner_host']} (heartbeat {now - job['runner_heartbeat']:.0f}s ago); "
@@ -164,24 +183,28 @@ class Ledger:
             ).rowcount
         return int(reclaimed)
 
-    def heartbeat(self, name: str, owner: str, *, lease_ttl: float) -> None:
+    def heartbeat(self, name: str, owner: str, *, lease_ttl: float) -> bool:
+        """Prove the runner is alive and extend its leases. False: another runner took over."""
         now = time.time()
-        with _storage_errors("renewing leases"), self.engine.begin() as conn:
-            conn.execute(
+        with self._write("renewing leases") as conn:
+            held = conn.execute(
                 update(jobs)
                 .where(jobs.c.name == name, jobs.c.runner_owner == owner)
                 .values(runner_heartbeat=now)
-            )
+            ).rowcount
+            if not held:
+                return False
             conn.execute(
                 update(items)
                 .where(items.c.job == name, items.c.owner == owner, items.c.status == "running")
                 .values(lease_expires=now + lease_ttl)
             )
+        return True
 
     def release(self, name: str, owner: str) -> int:
         """Give the job up: unfinished claims go back to pending. Returns how many."""
         now = time.time()
-        with _storage_errors("releasing the job"), self.engine.begin() as conn:
+        with self._write("releasing the job") as conn:
             back = conn.execute(
                 update(items)
                 .where(items.c.job == name, items.c.owner == owner, items.c.status == "running")
@@ -214,7 +237,8 @@ class Ledger:
         )
         stmt = (
             update(items)
-            .where(items.c.job == name, items.c.line.in_(pending))
+            # status again here: PostgreSQL re-checks only the outer WHERE after a row lock
+            .where(items.c.job == name, items.c.line.in_(pending), items.c.status == "pending")
             .values(status="running", owner=owner, lease_expires=now + lease_ttl, updated_at=now)
             .returning(
                 items.c.line,
@@ -225,7 +249,7 @@ class Ledger:
                 items.c.attempts,
             )
         )
-        with _storage_errors("claiming items"), self.engine.begin() as conn:
+        with self._write("claiming items") as conn:
             rows = conn.execute(stmt).all()
         claimed = [ClaimedItem(*row) for row in rows]
         claimed.sort(key=lambda c: c.line)
@@ -266,13 +290,13 @@ class Ledger:
             )
         )
         params = [{f"b_{k}": getattr(r, k) for k in ItemResult.__slots__} for r in results]
-        with _storage_errors("recording results"), self.engine.begin() as conn:
+        with self._write("recording results") as conn:
             return int(conn.execute(stmt, params).rowcount)
 
     def requeue(self, name: str, statuses: tuple[str, ...] = ("failed", "invalid")) -> int:
         """Put finished-but-unsuccessful items back to pending (the `retry` command)."""
         now = time.time()
-        with _storage_errors("re-queueing items"), self.engine.begin() as conn:
+        with self._write("re-queueing items") as conn:
             count = conn.execute(
                 update(items)
                 .where(items.c.job == name, items.c.status.in_(statuses))
@@ -292,7 +316,7 @@ class Ledger:
         return int(count)
 
     def counts(self, name: str) -> dict[str, int]:
-        with _storage_errors("counting items"), self.engine.connect() as conn:
+        with self._read("counting items") as conn:
             rows = conn.execute(
                 select(items.c.status, func.count())
                 .where(items.c.job == name)
@@ -305,7 +329,7 @@ class Ledger:
         """Every item of the job in input order, streamed in pages (constant memory)."""
         last = 0
         while True:
-            with _storage_errors("reading results"), self.engine.connect() as conn:
+            with self._read("reading results") as conn:
                 rows = (
                     conn.execute(
                         select(items)
@@ -323,7 +347,7 @@ class Ledger:
 
     def item_stats(self, name: str) -> dict[str, Any]:
         """Token totals and latency percentiles of done items, for `status`."""
-        with _storage_errors("reading stats"), self.engine.connect() as conn:
+        with self._read("reading stats") as conn:
             totals = conn.execute(
                 select(
                     func.sum(items.c.prompt_tokens),
@@ -371,7 +395,10 @@ def _percentile(sorted_values: list[float], q: float) -> float | None:
     return float(sorted_values[index])
 
 
-def _runner_alive(job: Any, now: float, ttl: float, host: str) -> bool:
+def runner_alive(job: Any, now: float, ttl: float, host: str | None = None) -> bool:
+    """Is the job's recorded runner still alive? Dead when its heartbeat is older than `ttl`,
+    or when it ran on this host and its process is gone."""
+    host = host or socket.gethostname()
     beat = job["runner_heartbeat"]
     if beat is None or now - beat > ttl:
         return False

@@ -230,3 +230,70 @@ def test_unknown_model_aborts_with_3(
     assert cli.counts("m") == {"pending": 5}
     fixed = cli.run("resume", "m", "--model", "sim-1")
     assert fixed.returncode == 0, fixed.stderr
+
+
+def test_second_runner_of_a_live_job_is_refused_with_2(
+    cli: CLI, sim_server: Callable[..., str], tmp_path: Path
+) -> None:
+    url = sim_server(*SLOW)
+    inp = tmp_path / "big.jsonl"
+    prompts = write_prompts(inp, 300)
+    first = cli.start("submit", str(inp), "--base-url", url, "--concurrency", "4", "--quiet")
+    try:
+        cli.wait_for("big", 10, first)
+        second = cli.run("resume", "big")
+        assert second.returncode == 2, second.stderr
+        assert "is being run by process" in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        first.wait(timeout=60)
+    assert first.returncode == 0
+    assert_exactly_once(cli, "big", prompts)
+
+
+def test_local_problems_are_clear_errors_not_tracebacks(cli: CLI, tmp_path: Path) -> None:
+    inp = tmp_path / "in.jsonl"
+    write_prompts(inp, 3)
+    cases = [
+        (["submit", str(tmp_path / "missing.jsonl"), "--backend", "sim"], "input file not found"),
+        (["submit", str(tmp_path), "--backend", "sim"], "directory"),
+        (["submit", str(inp), "--backend", "sim", "--schema", "nope.json"], "schema file"),
+        (["submit", str(inp), "--backend", "sim", "--spec", str(inp)], "not valid TOML"),
+        (["submit", str(inp)], "no endpoint chosen"),
+        (["resume", "nosuchjob"], "no job named"),
+        (["status", "nosuchjob"], "no job named"),
+    ]
+    for args, expected in cases:
+        result = cli.run(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert expected in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr, (args, result.stderr)
+    assert cli.counts("in") == {}  # the bad schema refused the job before loading anything
+
+    blocked = tmp_path / "file-not-folder"
+    blocked.write_text("x")
+    result = cli.run("--home", str(blocked / "home"), "submit", str(inp), "--backend", "sim")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_key_with_a_trailing_newline_is_refused_without_showing_it(
+    cli: CLI, sim_server: Callable[..., str], tmp_path: Path
+) -> None:
+    url = sim_server()
+    inp = tmp_path / "k.jsonl"
+    write_prompts(inp, 3)
+    secret = "sk-newline-0123456789"
+    result = cli.run(
+        "submit",
+        str(inp),
+        "--base-url",
+        url,
+        "--api-key-env",
+        "NL_KEY",
+        env={"NL_KEY": secret + "\n"},
+    )
+    assert result.returncode == 2, result.stderr
+    assert "$NL_KEY" in result.stderr and secret not in result.stderr
+    assert cli.counts("k") == {"pending": 3}
+    for path in (cli.home / "logs").glob("*"):  # refused before the log is even opened
+        assert secret not in path.read_text()

@@ -621,3 +621,38 @@ def test_error_for_status_without_message() -> None:
     assert "no message" in str(exc)
     assert isinstance(error_for_status(422, {}, b"{}", "u"), BadRequest)
     assert isinstance(error_for_status(413, {}, b"{}", "u"), BadRequest)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "payload",
+    [{"choices": {"0": {"message": {"content": "x"}}}}, {"choices": ["x"]}, {"choices": []}],
+    ids=["dict", "string-choice", "empty"],
+)
+async def test_malformed_choices_are_a_retryable_stream_cut(payload: dict[str, Any]) -> None:
+    def handler(_request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=payload)
+
+    backend = OpenAICompatBackend(
+        "http://x/v1", stream=False, transport=httpx.MockTransport(handler)
+    )
+    with pytest.raises(StreamCut):
+        await backend.complete(CompletionRequest("chat", {"messages": []}))
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_key_cut_off_by_the_message_limit_is_still_scrubbed() -> None:
+    key = "sk-" + "k" * 40
+    message = "x" * 490 + key  # server_message keeps 500 characters: the key is cut mid-way
+
+    def handler(_request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"error": {"message": message}})
+
+    backend = OpenAICompatBackend(
+        "http://x/v1", api_key=key, stream=False, transport=httpx.MockTransport(handler)
+    )
+    with pytest.raises(BadRequest) as caught:
+        await backend.complete(CompletionRequest("chat", {"messages": []}))
+    await backend.aclose()
+    assert key[:8] not in str(caught.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -315,3 +316,39 @@ def test_storage_errors_do_not_echo_sql_or_prompts(tmp_path: Path) -> None:
         Ledger(f"sqlite:///{db}")
     assert "not a database" in str(caught.value)
     assert "SELECT" not in str(caught.value) and "secret prompt" not in str(caught.value)
+
+
+def test_reads_do_not_wait_for_a_writer(tmp_path: Path) -> None:
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    make_job(ledger, 3)
+    blocker = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")  # another process holding the write lock
+    try:
+        started = time.monotonic()
+        assert ledger.counts("j")["pending"] == 3
+        assert ledger.get_job("j") is not None
+        assert len(list(ledger.iter_results("j"))) == 3
+        assert time.monotonic() - started < 5  # far below the 30 s busy timeout
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+
+
+def test_heartbeat_reports_a_lost_job_lock(ledger: Ledger) -> None:
+    make_job(ledger, 2)
+    ledger.acquire("j", "first", ttl=60)
+    assert ledger.heartbeat("j", "first", lease_ttl=60) is True
+    with ledger.engine.begin() as conn:  # a second runner took over after a stall
+        conn.execute(text("UPDATE jobs SET runner_owner = 'second'"))
+    assert ledger.heartbeat("j", "first", lease_ttl=60) is False
+
+
+def test_runner_alive_rules() -> None:
+    from batchrun.ledger.store import runner_alive
+
+    now = time.time()
+    me = {"runner_heartbeat": now, "runner_host": "h", "runner_pid": os.getpid()}
+    assert runner_alive(me, now, 60, "h")
+    assert not runner_alive({**me, "runner_heartbeat": now - 61}, now, 60, "h")
+    assert not runner_alive({**me, "runner_heartbeat": None}, now, 60, "h")
+    assert runner_alive({**me, "runner_host": "elsewhere", "runner_pid": 999999}, now, 60, "h")

@@ -249,7 +249,9 @@ def test_outage_signs_mark_endpoint_down(error: TransientError) -> None:
     clock = FakeTime()
     watch = OutageWatch(30.0, clock=clock)
     assert not watch.down
-    watch.failure(error)
+    watch.failure(error, key=1)
+    assert not watch.down  # one item failing may be that item's problem
+    watch.failure(error, key=2)
     assert watch.down
     assert watch.down_since == clock.now
     assert watch.last_error == str(error)
@@ -268,14 +270,16 @@ def test_outage_signs_mark_endpoint_down(error: TransientError) -> None:
 )
 def test_other_transient_errors_do_not_mark_down(error: TransientError) -> None:
     watch = OutageWatch(30.0, clock=FakeTime())
-    watch.failure(error)
+    watch.failure(error, key=1)
+    watch.failure(error, key=2)
     assert not watch.down
     watch.check()  # does not raise
 
 
 def test_success_clears_outage() -> None:
     watch = OutageWatch(30.0, clock=FakeTime())
-    watch.failure(ConnectionFailed("refused"))
+    watch.failure(ConnectionFailed("refused"), key=1)
+    watch.failure(ConnectionFailed("refused"), key=2)
     assert watch.down
     watch.success()
     assert not watch.down
@@ -285,9 +289,9 @@ def test_success_clears_outage() -> None:
 def test_outage_start_is_first_failure_and_check_uses_grace() -> None:
     clock = FakeTime(start=0.0)
     watch = OutageWatch(60.0, clock=clock)
-    watch.failure(ConnectionFailed("first"))
+    watch.failure(ConnectionFailed("first"), key=1)
     clock.now = 40.0
-    watch.failure(ConnectionFailed("second"))
+    watch.failure(ConnectionFailed("second"), key=2)
     assert watch.down_since == 0.0
     assert watch.last_error == "second"
     clock.now = 60.0
@@ -300,11 +304,12 @@ def test_outage_start_is_first_failure_and_check_uses_grace() -> None:
 def test_success_restarts_outage_clock() -> None:
     clock = FakeTime(start=0.0)
     watch = OutageWatch(60.0, clock=clock)
-    watch.failure(ConnectionFailed("down"))
+    watch.failure(ConnectionFailed("down"), key=1)
     clock.now = 50.0
     watch.success()
     clock.now = 70.0
-    watch.failure(Overloaded("HTTP 503", status=503))
+    watch.failure(Overloaded("HTTP 503", status=503), key=1)
+    watch.failure(Overloaded("HTTP 503", status=503), key=2)
     assert watch.down_since == 70.0
     clock.now = 125.0
     watch.check()  # 55s into the new outage
@@ -326,6 +331,7 @@ async def test_outage_keeps_retrying_then_raises_endpoint_down(error: TransientE
     grace = 60.0
     policy, watch, clock = make_policy(max_attempts=3, grace=grace)
     start = clock.now
+    watch.failure(error, key="another item")  # the endpoint fails other items too
     fn = Script([], forever=lambda: error)
     with pytest.raises(EndpointDown) as info:
         await policy.call(fn)
@@ -344,7 +350,8 @@ async def test_outage_keeps_retrying_then_raises_endpoint_down(error: TransientE
 @pytest.mark.anyio
 async def test_endpoint_down_raised_before_calling_when_outage_is_old() -> None:
     policy, watch, clock = make_policy(grace=10.0)
-    watch.failure(ConnectionFailed("refused"))
+    watch.failure(ConnectionFailed("refused"), key=1)
+    watch.failure(ConnectionFailed("refused"), key=2)
     clock.now += 11.0
     fn = Script([])
     with pytest.raises(EndpointDown):
@@ -355,6 +362,7 @@ async def test_endpoint_down_raised_before_calling_when_outage_is_old() -> None:
 @pytest.mark.anyio
 async def test_success_during_outage_resets_it() -> None:
     policy, watch, clock = make_policy(max_attempts=2, grace=600.0)
+    watch.failure(ConnectionFailed("refused"), key="another item")
     fn = Script([ConnectionFailed("refused")] * 5)
     assert await policy.call(fn) == "ok"
     assert fn.calls == 6  # past max_attempts, because the endpoint was down
@@ -383,6 +391,7 @@ async def test_success_elsewhere_during_outage_restarts_grace() -> None:
             self.calls += 1
             if self.calls == 4:
                 watch.success()  # someone else got through
+            watch.failure(ConnectionFailed("refused"), key="another item")  # others still fail
             raise ConnectionFailed("refused")
 
     first_down = clock.now
@@ -393,3 +402,31 @@ async def test_success_elsewhere_during_outage_restarts_grace() -> None:
     assert watch.down_since > first_down
     assert clock.now - watch.down_since > grace
     assert clock.now - first_down > grace
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "error",
+    [ConnectionFailed("connection reset"), Overloaded("HTTP 504", status=504)],
+    ids=["reset", "504"],
+)
+async def test_one_poison_item_is_failed_not_taken_for_an_outage(error: TransientError) -> None:
+    policy, watch, _clock = make_policy(max_attempts=3, grace=60.0)
+    fn = Script([], forever=lambda: error)
+    with pytest.raises(type(error)):
+        await policy.call(fn, key="poison")
+    assert fn.calls == 3
+    assert not watch.down
+
+
+@pytest.mark.anyio
+async def test_call_within_waits_for_a_starting_server_then_gives_up() -> None:
+    policy, _watch, clock = make_policy(grace=20.0)
+    starting = Script([ConnectionFailed("refused")] * 4)
+    assert await policy.call_within(starting, 20.0) == "ok"
+    assert starting.calls == 5
+    never = Script([], forever=lambda: ConnectionFailed("refused"))
+    before = clock.now
+    with pytest.raises(ConnectionFailed):
+        await policy.call_within(never, 20.0)
+    assert clock.now - before >= 20.0

@@ -183,8 +183,9 @@ async def test_unreachable_endpoint_stops_after_grace_without_burning_items(
     def down(_request: httpx.Request, _call: int) -> httpx.Response:
         raise httpx.ConnectError("connection refused")
 
+    # Four workers fail at once: the watch sees several items failing, so none is burned.
     ledger, stats, _ = await run(
-        tmp_path, 12, ScriptedTransport(down), outage_grace=30.0, max_attempts=2
+        tmp_path, 12, ScriptedTransport(down), outage_grace=30.0, max_attempts=4
     )
     assert stats.aborted is not None and "unreachable" in stats.aborted
     counts = ledger.counts("j")
@@ -244,3 +245,17 @@ async def test_stop_request_commits_finished_work_and_releases_the_rest(tmp_path
     assert stats.interrupted
     assert counts["done"] == 5 and counts["running"] == 0 and counts["pending"] == 35
     assert jobs.exit_code(counts, stats) == jobs.EXIT_INTERRUPTED
+
+
+@pytest.mark.anyio
+async def test_one_poison_item_behind_a_504_fails_and_the_rest_complete(tmp_path: Path) -> None:
+    def poison(request: httpx.Request, _call: int) -> httpx.Response | None:
+        if b"prompt number 3" in request.content:
+            return httpx.Response(504, text="upstream timed out")
+        return None
+
+    ledger, stats, _ = await run(tmp_path, 8, ScriptedTransport(poison))
+    statuses = [r["status"] for r in rows(ledger)]
+    assert statuses == ["done"] * 3 + ["failed"] + ["done"] * 4
+    assert stats.aborted is None
+    assert jobs.exit_code(ledger.counts("j"), stats) == jobs.EXIT_SOME_FAILED

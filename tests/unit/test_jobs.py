@@ -1,0 +1,62 @@
+"""Job life-cycle helpers: spec checks done before anything is loaded, error unwrapping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from batchrun import jobs
+from batchrun.config import resolve
+from batchrun.errors import JobBusy, UsageError
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"ttft_ms": "fast"}, "ttft_ms must be float"),
+        ({"max_output_tokens": 2.5}, "max_output_tokens must be int"),
+        ({"tpot_ms": True}, "tpot_ms must be float"),
+        ({"no_such": 1}, "unknown option 'no_such'"),
+    ],
+)
+def test_sim_options_are_checked_before_the_job_is_loaded(
+    options: dict[str, object], message: str
+) -> None:
+    with pytest.raises(UsageError, match=message):
+        jobs.resolve_for_job(None, {"backend": "sim", "sim_options": options})
+
+
+def test_good_sim_options_build_the_config() -> None:
+    spec = resolve({"backend": "sim", "sim_options": {"ttft_ms": 5, "models": ["a", "b"]}})
+    config = jobs.sim_config(spec)
+    assert config.ttft_ms == 5 and config.models == ("a", "b")
+
+
+def test_schema_path_is_checked_and_stored_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.json").write_text('{"type": "object"}')
+    spec = jobs.resolve_for_job(None, {"backend": "sim", "schema": "s.json"})
+    assert spec.schema == str(tmp_path / "s.json")
+    with pytest.raises(UsageError, match="schema file not found"):
+        jobs.resolve_for_job(None, {"backend": "sim", "schema": "missing.json"})
+
+
+def test_keys_that_cannot_be_a_header_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("K", "sk-abc\n")
+    spec = resolve({"backend": "custom", "base_url": "http://x/v1", "api_key_env": "K"})
+    with pytest.raises(UsageError, match=r"\$K") as caught:
+        jobs.checked_key(spec)
+    assert "sk-abc" not in str(caught.value)
+    monkeypatch.setenv("K", "sk-abc")
+    assert jobs.checked_key(spec) == "sk-abc"
+
+
+def test_task_group_errors_are_unwrapped_to_the_batchrun_error() -> None:
+    busy = JobBusy("job is being run")
+    group = BaseExceptionGroup("tg", [BaseExceptionGroup("inner", [busy])])
+    assert jobs._single_error(group) is busy
+    other = BaseExceptionGroup("tg", [ValueError("bug")])
+    assert jobs._single_error(other) is other
