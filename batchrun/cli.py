@@ -6,7 +6,6 @@ The only module that calls anyio.run. No SQL, no HTTP here.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,37 +16,16 @@ import click
 import orjson
 
 from batchrun import __version__, jobs
+from batchrun.cli_errors import errors_to_exit_codes, say
+from batchrun.cli_sim import sim
 from batchrun.config import PRESETS, RunSpec, load_spec_file
-from batchrun.errors import BatchrunError, FatalError, UsageError
-from batchrun.jobs import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_USAGE, Home
+from batchrun.errors import UsageError
+from batchrun.jobs import Home
 from batchrun.ledger import Ledger
 from batchrun.outputs import FORMATS
-from batchrun.sim import SimConfig, SimModel, SimServer
 from batchrun.status import job_detail, jobs_table, render_detail, render_table
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _say(message: str) -> None:
-    click.echo(f"batchrun: {message}", err=True)
-
-
-def _errors_to_exit_codes(fn: F) -> F:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except FatalError as exc:
-            _say(f"aborted: {exc}")
-            sys.exit(EXIT_ABORTED)
-        except BatchrunError as exc:
-            _say(f"error: {exc}")
-            sys.exit(EXIT_USAGE)
-        except KeyboardInterrupt:
-            _say("interrupted")
-            sys.exit(EXIT_INTERRUPTED)
-
-    return wrapper  # type: ignore[return-value]
 
 
 class Context:
@@ -113,7 +91,7 @@ RUN_OPTIONS: list[Callable[[F], F]] = [
         "--timeout", type=click.FloatRange(min=0, min_open=True), help="Seconds per request [120]."
     ),
     click.option(
-        "--outage-grace",
+        "--outage-timeout",
         type=click.FloatRange(min=0),
         help="Seconds the endpoint may stay unreachable before the job stops [60].",
     ),
@@ -147,12 +125,12 @@ def _run(ctx: Context, name: str, spec: RunSpec, quiet: bool) -> None:
     if counts["pending"] or counts["running"]:
         stats = anyio.run(functools.partial(jobs.run_job, ledger, home, name, spec, quiet=quiet))
     else:
-        _say(f"job {name} has nothing left to do")
+        say(f"job {name} has nothing left to do")
     job = ledger.get_job(name)
     final_spec = RunSpec(**jobs.stored_spec(job)) if job else spec
     counts, complete = jobs.finish(ledger, home, name, final_spec)
     output = home.output_path(name) if complete else None
-    _say(jobs.summary_line(name, counts, stats, output))
+    say(jobs.summary_line(name, counts, stats, output))
     sys.exit(jobs.exit_code(counts, stats))
 
 
@@ -166,10 +144,20 @@ def _run(ctx: Context, name: str, spec: RunSpec, quiet: bool) -> None:
     help="Record bad lines as rejected instead of refusing the file.",
 )
 @click.option("--max-line-bytes", type=click.IntRange(min=1), help="Longest line accepted [1MB].")
+@click.option(
+    "--max-input-chars",
+    type=click.IntRange(min=1),
+    help="Refuse lines whose prompt text is longer (checked before sending).",
+)
+@click.option(
+    "--max-input-tokens",
+    type=click.IntRange(min=1),
+    help="Refuse lines whose prompt is longer, estimated at 4 characters a token.",
+)
 @click.option("--no-run", is_flag=True, help="Load the file into the ledger, send nothing.")
 @run_options
 @pass_ctx
-@_errors_to_exit_codes
+@errors_to_exit_codes
 def submit(
     ctx: Context,
     /,
@@ -195,14 +183,14 @@ def submit(
                 f"({existing.input_path}); use another --job name"
             )
         if not quiet:
-            _say(f"job {name} exists for this file; resuming it")
+            say(f"job {name} exists for this file; resuming it")
     else:
         report = jobs.create_job(ledger, name, input_path, spec)
         if not quiet:
             blank = (
                 f", {len(report.blank_lines)} blank line(s) skipped" if report.blank_lines else ""
             )
-            _say(
+            say(
                 f"job {name}: loaded {report.accepted} items"
                 f"{f', {report.rejected} rejected' if report.rejected else ''}{blank}"
             )
@@ -213,14 +201,28 @@ def submit(
 
 @main.command()
 @click.argument("job_name")
+@click.option(
+    "--allow-changed-input",
+    is_flag=True,
+    help="Resume even if the input file changed since submit.",
+)
 @run_options
 @pass_ctx
-@_errors_to_exit_codes
+@errors_to_exit_codes
 def resume(
-    ctx: Context, /, job_name: str, quiet: bool, spec_file: Path | None, **options: Any
+    ctx: Context,
+    /,
+    job_name: str,
+    allow_changed_input: bool,
+    quiet: bool,
+    spec_file: Path | None,
+    **options: Any,
 ) -> None:
     """Continue JOB_NAME: every item that has no final record yet."""
     job = _job(ctx, job_name)
+    note = jobs.check_input_unchanged(job, allow=allow_changed_input)
+    if note:
+        say(note)
     spec = jobs.resolve_for_job(job, *_layers(spec_file, options))
     _run(ctx, job.name, spec, quiet)
 
@@ -237,7 +239,7 @@ def _job(ctx: Context, name: str) -> Any:
 @click.argument("job_name", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_ctx
-@_errors_to_exit_codes
+@errors_to_exit_codes
 def status(ctx: Context, job_name: str | None, as_json: bool) -> None:
     """All jobs, or one job in detail."""
     if job_name is None:
@@ -262,87 +264,25 @@ def _dump(data: Any) -> str:
 )
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="native", show_default=True)
 @pass_ctx
-@_errors_to_exit_codes
+@errors_to_exit_codes
 def export(ctx: Context, job_name: str, output: Path | None, fmt: str) -> None:
     """Write JOB_NAME's results file again (one line per input line, input order)."""
     job = _job(ctx, job_name)
     path = output or ctx.home.output_path(job.name)
     spec = RunSpec(**jobs.stored_spec(job))
     count = jobs.export(ctx.ledger, path, job.name, spec, fmt)
-    _say(f"wrote {count} lines to {path}")
+    say(f"wrote {count} lines to {path}")
 
 
 @main.command()
 @click.argument("job_name")
 @pass_ctx
-@_errors_to_exit_codes
+@errors_to_exit_codes
 def retry(ctx: Context, job_name: str) -> None:
     """Put JOB_NAME's failed and invalid items back to pending (then run `resume`)."""
     job = _job(ctx, job_name)
     count = ctx.ledger.requeue(job.name)
-    _say(f"{count} item(s) of {job.name} back to pending; run `batchrun resume {job.name}`")
+    say(f"{count} item(s) of {job.name} back to pending; run `batchrun resume {job.name}`")
 
 
-@main.command()
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option(
-    "--port",
-    default=8089,
-    show_default=True,
-    type=click.IntRange(0, 65535),
-    help="Port (0 picks a free one and prints it).",
-)
-@click.option("--ttft-ms", default=50.0, show_default=True, help="Time to first token.")
-@click.option("--tpot-ms", default=5.0, show_default=True, help="Time per output token.")
-@click.option(
-    "--prefill-ms-per-token",
-    default=0.0,
-    show_default=True,
-    help="Extra time to first token per prompt token.",
-)
-@click.option("--min-output-tokens", default=8, show_default=True)
-@click.option("--max-output-tokens", default=48, show_default=True)
-@click.option("--model", "models", multiple=True, help="Model name(s) served [sim-1].")
-@click.option("--strict-models", is_flag=True, help="Answer 404 to an unknown model.")
-@click.option("--api-key-env", help="Require the key held in this environment variable.")
-@_errors_to_exit_codes
-def sim(
-    host: str,
-    port: int,
-    ttft_ms: float,
-    tpot_ms: float,
-    prefill_ms_per_token: float,
-    min_output_tokens: int,
-    max_output_tokens: int,
-    models: tuple[str, ...],
-    strict_models: bool,
-    api_key_env: str | None,
-) -> None:
-    """Serve the built-in OpenAI-compatible simulator (synthetic outputs) until stopped."""
-    api_key = None
-    if api_key_env:
-        api_key = os.environ.get(api_key_env)
-        if not api_key:
-            raise UsageError(f"--api-key-env {api_key_env}: that variable is not set")
-    config = SimConfig(
-        ttft_ms=ttft_ms,
-        tpot_ms=tpot_ms,
-        prefill_ms_per_token=prefill_ms_per_token,
-        min_output_tokens=min_output_tokens,
-        max_output_tokens=max_output_tokens,
-        models=models or ("sim-1",),
-        strict_models=strict_models,
-        api_key=api_key,
-    )
-    server = SimServer(SimModel(config))
-
-    def ready(bound: int) -> None:
-        click.echo(f"batchrun sim: serving http://{host}:{bound}/v1 (synthetic outputs)")
-        sys.stdout.flush()
-
-    try:
-        anyio.run(functools.partial(server.serve, host, port, ready))
-    except KeyboardInterrupt:
-        pass
-    except OSError as exc:
-        raise UsageError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+main.add_command(sim)

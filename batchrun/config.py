@@ -84,7 +84,7 @@ class RunSpec:
     concurrency: int = 16
     max_attempts: int = 5
     timeout: float = 120.0
-    outage_grace: float = 60.0
+    outage_timeout: float = 60.0
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -92,6 +92,8 @@ class RunSpec:
     skip_invalid: bool = False
     redact: bool = False
     max_line_bytes: int = 1_000_000
+    max_input_chars: int | None = None
+    max_input_tokens: int | None = None
     sim_options: dict[str, Any] = field(default_factory=dict)
 
     def request_defaults(self) -> dict[str, Any]:

@@ -99,11 +99,15 @@ class InputReader:
         endpoint: str = "chat",
         defaults: dict[str, Any] | None = None,
         max_line_bytes: int = 1_000_000,
+        max_input_chars: int | None = None,
+        max_input_tokens: int | None = None,
     ) -> None:
         self.path = path
         self.endpoint = endpoint
         self.defaults = defaults or {}
         self.max_line_bytes = max_line_bytes
+        self.max_input_chars = max_input_chars
+        self.max_input_tokens = max_input_tokens
         self.stats = ReadStats()
 
     def __iter__(self) -> Iterator[InputItem | BadLine]:
@@ -171,6 +175,7 @@ class InputReader:
             endpoint, body, item_id, meta = _plain_shape(obj, self.endpoint)
         if item_id is None:
             item_id = str(number)
+        self._check_size(body)
         try:
             body_json = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
             meta_json = orjson.dumps(meta) if meta else None
@@ -181,6 +186,45 @@ class InputReader:
         else:  # the stored body already is the canonical form
             digest = hashlib.sha256(body_json).hexdigest()
         return InputItem(number, item_id, endpoint, body_json, digest, meta_json)
+
+    def _check_size(self, body: dict[str, Any]) -> None:
+        """Refuse prompts over the --max-input-* guards, and NUL characters, before anything is
+        sent: a night's run should not find them one 400 at a time."""
+        text = _prompt_texts(body)
+        if any("\x00" in part for part in text):
+            raise _LineProblem("the prompt contains a NUL character (\\u0000)")
+        if self.max_input_chars is None and self.max_input_tokens is None:
+            return
+        chars = sum(len(part) for part in text)
+        if self.max_input_chars is not None and chars > self.max_input_chars:
+            raise _LineProblem(
+                f"the prompt has {chars} characters, over --max-input-chars {self.max_input_chars}"
+            )
+        tokens = estimate_tokens(chars)
+        if self.max_input_tokens is not None and tokens > self.max_input_tokens:
+            raise _LineProblem(
+                f"the prompt has about {tokens} tokens ({chars} characters / 4), over "
+                f"--max-input-tokens {self.max_input_tokens}"
+            )
+
+
+def estimate_tokens(chars: int) -> int:
+    """A tokenizer-free estimate: about 4 characters per token for English text."""
+    return -(-chars // 4)
+
+
+def _prompt_texts(body: dict[str, Any]) -> list[str]:
+    if isinstance(body.get("prompt"), str):
+        return [body["prompt"]]
+    parts: list[str] = []
+    for msg in body.get("messages") or []:
+        content = msg.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(p["text"] for p in content if isinstance(p, dict)
+                         and isinstance(p.get("text"), str))  # fmt: skip
+    return parts
 
 
 class _LineProblem(Exception):

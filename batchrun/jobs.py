@@ -26,6 +26,7 @@ from batchrun.progress import JobLog, Progress
 from batchrun.retry import OutageWatch, RetryPolicy
 from batchrun.runner import Runner, RunnerSettings, RunStats
 from batchrun.sim import SimConfig, SimModel, SimTransport
+from batchrun.sim.faults import check_rates
 from batchrun.validate import SchemaCheck, load_schema
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -83,6 +84,8 @@ def create_job(ledger: Ledger, name: str, input_path: Path, spec: RunSpec) -> In
         endpoint=spec.endpoint,
         defaults=spec.request_defaults(),
         max_line_bytes=spec.max_line_bytes,
+        max_input_chars=spec.max_input_chars,
+        max_input_tokens=spec.max_input_tokens,
     )
     report = ledger.create_job(
         name,
@@ -102,6 +105,23 @@ def same_input(job: Job, input_path: Path) -> bool:
         raise UsageError(f"cannot read input file {input_path}: {exc.strerror or exc}") from None
 
 
+def check_input_unchanged(job: Job, *, allow: bool) -> str | None:
+    """Resume sends the requests stored at submit time; if the input file has changed since,
+    the user probably expects something else, so say so. Returns a note to show, if any."""
+    path = Path(job.input_path)
+    if not path.exists():
+        return f"input file {path} is gone; resuming from the requests stored in the ledger"
+    if same_input(job, path):
+        return None
+    if allow:
+        return f"input file {path} changed since submit; resuming the requests stored then"
+    raise UsageError(
+        f"input file {path} changed since job {job.name!r} was submitted; resume would send "
+        "the requests stored at submit time, not the new file. Submit the new file as a new "
+        "job, or pass --allow-changed-input to resume anyway"
+    )
+
+
 def resolve_for_job(job: Job | None, *layers: dict[str, Any]) -> RunSpec:
     """The job's spec for this run, checked before anything is loaded or sent: the schema file
     is read and stored by absolute path, the simulator options are type-checked."""
@@ -118,8 +138,14 @@ def resolve_for_job(job: Job | None, *layers: dict[str, Any]) -> RunSpec:
 def sim_config(spec: RunSpec) -> SimConfig:
     """The in-process simulator's settings: defaults, then the spec's `sim_options`."""
     options = {**SIM_DEFAULTS, **spec.sim_options}
-    defaults = {f.name: f.default for f in dataclasses.fields(SimConfig)}
-    accepted = {float: (int, float), int: (int,), bool: (bool,), tuple: (list, tuple)}
+    defaults = dataclasses.asdict(SimConfig())
+    accepted = {
+        float: (int, float),
+        int: (int,),
+        bool: (bool,),
+        tuple: (list, tuple),
+        dict: (dict,),
+    }
     for key, value in options.items():
         if key not in defaults:
             raise UsageError(f"sim_options: unknown option {key!r} (known: {', '.join(defaults)})")
@@ -131,6 +157,10 @@ def sim_config(spec: RunSpec) -> SimConfig:
             raise UsageError(f"sim_options: {key} must be {kind.__name__}, got {value!r}")
     if isinstance(options.get("models"), list):
         options["models"] = tuple(options["models"])
+    try:
+        check_rates(options.get("faults", {}))
+    except ValueError as exc:
+        raise UsageError(f"sim_options.faults: {exc}") from None
     return SimConfig(**options)
 
 
@@ -167,7 +197,7 @@ async def pick_model(backend: Backend, spec: RunSpec, policy: RetryPolicy) -> Ru
     if spec.model:
         return spec
     try:
-        models = await policy.call_within(backend.list_models, spec.outage_grace)
+        models = await policy.call_within(backend.list_models, spec.outage_timeout)
     except FatalError:
         raise
     except RequestError as exc:
@@ -195,7 +225,7 @@ async def run_job(
     log = JobLog(home.log_path(name), name, redact=spec.redact)
     policy = RetryPolicy(
         spec.max_attempts,
-        OutageWatch(spec.outage_grace, settings.outage_clock),
+        OutageWatch(spec.outage_timeout, settings.outage_clock),
         sleep=settings.retry_sleep,
     )
     try:

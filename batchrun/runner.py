@@ -86,7 +86,7 @@ class Runner:
         self.owner = uuid.uuid4().hex
         self.stats = RunStats()
         self.defaults = spec.request_defaults()
-        self.outage = OutageWatch(spec.outage_grace, clock=self.settings.outage_clock)
+        self.outage = OutageWatch(spec.outage_timeout, clock=self.settings.outage_clock)
         self.policy = RetryPolicy(spec.max_attempts, self.outage, sleep=self.settings.retry_sleep)
         self._db_lock = anyio.CapacityLimiter(1)
         self._stopping = anyio.Event()

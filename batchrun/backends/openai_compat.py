@@ -131,6 +131,7 @@ class OpenAICompatBackend:
         finish: str | None = None
         usage: dict[str, Any] | None = None
         done = False
+        saw_choice = False
         # Read to the end rather than break at [DONE]: servers close the body right after it,
         # and a generator left half-read costs a finaliser task per layer of httpx's stream.
         async for line in resp.aiter_lines():
@@ -156,6 +157,7 @@ class OpenAICompatBackend:
             for choice in choices:
                 if not isinstance(choice, dict):
                     raise StreamCut("malformed stream chunk: a choice is not an object")
+                saw_choice = True
                 piece = _choice_text(choice, endpoint, streamed=True)
                 if piece:
                     if ttft is None:
@@ -163,6 +165,8 @@ class OpenAICompatBackend:
                     pieces.append(piece)
                 if choice.get("finish_reason"):
                     finish = choice["finish_reason"]
+        if not saw_choice:
+            raise StreamCut("stream carried no choices")
         if not done and finish is None:
             raise StreamCut("stream ended before its final chunk")
         return _completion("".join(pieces), finish, usage, started, ttft)

@@ -16,6 +16,8 @@ from typing import Any
 
 import orjson
 
+from batchrun.sim.faults import BODY_FAULTS, STATUS_FAULTS, FaultPlan, body_fault, status_fault
+
 WORDS = (
     "synthetic",
     "alpha",
@@ -59,6 +61,9 @@ class SimConfig:
     api_key: str | None = None  # when set, requests must carry `Authorization: Bearer <key>`
     models: tuple[str, ...] = ("sim-1",)
     strict_models: bool = False  # when True, an unknown model gets 404 like vLLM does
+    faults: dict[str, float] = field(default_factory=dict)  # kind -> probability, see faults.py
+    fault_seed: int = 0
+    retry_after_ms: float = 50.0  # what a simulated 429 asks the client to wait
 
 
 @dataclass
@@ -71,6 +76,9 @@ class Reply:
     body: bytes = b""
     delay: float = 0.0
     events: list[tuple[float, bytes]] | None = None
+    # Played by the transport/server: "reset" (drop the connection before answering), "hang"
+    # (never answer), "cut" (drop it after part of the body: events or `body` are that part).
+    fault: str | None = None
 
 
 def _json_reply(status: int, payload: Any, delay: float = 0.0) -> Reply:
@@ -79,6 +87,15 @@ def _json_reply(status: int, payload: Any, delay: float = 0.0) -> Reply:
 
 def _error(status: int, message: str, kind: str) -> Reply:
     return _json_reply(status, {"error": {"message": message, "type": kind, "code": status}})
+
+
+def _cut(reply: Reply) -> Reply:
+    """The same answer, broken off halfway: the connection drops after half of it."""
+    if reply.events is not None:
+        keep = max(1, len(reply.events) // 2)
+        return Reply(reply.status, reply.headers, events=reply.events[:keep], fault="cut")
+    return Reply(reply.status, reply.headers, reply.body[: len(reply.body) // 2],
+                 reply.delay, fault="cut")  # fmt: skip
 
 
 def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
@@ -105,6 +122,18 @@ class SimModel:
     def __init__(self, config: SimConfig | None = None) -> None:
         self.config = config or SimConfig()
         self.requests = 0  # how many completion requests were answered (tests read this)
+        self.faults = FaultPlan(self.config.faults, self.config.fault_seed)
+        self.answered: set[str] = set()  # prompt tags that got a complete answer
+        self.resent = 0  # complete answers to a prompt that already had one
+
+    def stats(self) -> dict[str, Any]:
+        """What `GET /sim/stats` reports: requests, faults injected by kind, re-sent prompts."""
+        return {
+            "requests": self.requests,
+            "answered": len(self.answered),
+            "resent_after_success": self.resent,
+            "faults": dict(self.faults.injected),
+        }
 
     def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Reply:
         path = path.split("?", 1)[0].rstrip("/")
@@ -125,6 +154,8 @@ class SimModel:
             )
         if method == "GET" and path in ("/health", "/v1/health"):
             return _json_reply(200, {"status": "ok"})
+        if method == "GET" and path == "/sim/stats":
+            return _json_reply(200, self.stats())
         endpoints = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
         endpoint = endpoints.get(path)
         if endpoint is None or method != "POST":
@@ -148,6 +179,26 @@ class SimModel:
         self.requests += 1
         text = prompt_text(endpoint, request)
         tag = prompt_tag(text)
+        fault = self.faults.pick(tag)
+        if fault in STATUS_FAULTS:
+            status, headers, body = status_fault(fault, cfg.retry_after_ms)
+            return Reply(status, headers, body)
+        if fault in BODY_FAULTS:
+            headers, body = body_fault(fault, bool(request.get("stream")))
+            return Reply(200, headers, body)
+        if fault in ("reset", "hang"):
+            return Reply(0, fault=fault)
+        reply = self._answer(endpoint, request, text, tag)
+        if fault == "cut":
+            return _cut(reply)
+        if tag in self.answered:
+            self.resent += 1
+        self.answered.add(tag)
+        return reply
+
+    def _answer(self, endpoint: str, request: dict[str, Any], text: str, tag: str) -> Reply:
+        cfg = self.config
+        model = request.get("model") or cfg.models[0]
         rng = random.Random(tag)
         wanted = rng.randint(cfg.min_output_tokens, cfg.max_output_tokens)
         limit = request.get("max_tokens") or request.get("max_completion_tokens")

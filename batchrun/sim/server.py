@@ -17,6 +17,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from batchrun.sim.model import Reply, SimModel
 
 MAX_HEAD_BYTES = 64 * 1024
+HANG_LIMIT_S = 600.0  # a simulated hang ends when the client leaves, or after this
 _CLOSED = (
     anyio.EndOfStream,
     anyio.IncompleteRead,
@@ -73,16 +74,25 @@ class SimServer:
         body = await reader.receive_exactly(length) if length else b""
         keep_alive = headers.get("connection", "").lower() != "close"
         reply = self.model.handle(method, target, headers, body)
+        if reply.fault == "reset":
+            return False  # close without a word
+        if reply.fault == "hang":
+            with anyio.move_on_after(HANG_LIMIT_S):
+                await client.receive()  # returns or raises when the client gives up
+            return False
         await self._send(client, reply, keep_alive)
-        return keep_alive
+        return keep_alive and reply.fault != "cut"
 
     @staticmethod
     async def _send(client: SocketStream, reply: Reply, keep_alive: bool) -> None:
         conn = "keep-alive" if keep_alive else "close"
+        cut = reply.fault == "cut"
         if reply.events is None:
             if reply.delay > 0:
                 await anyio.sleep(reply.delay)
-            headers = {**reply.headers, "content-length": str(len(reply.body)), "connection": conn}
+            # A cut body promises twice what it sends, then the connection closes.
+            length = len(reply.body) * (2 if cut else 1)
+            headers = {**reply.headers, "content-length": str(length), "connection": conn}
             await client.send(_head(reply.status, headers) + reply.body)
             return
         headers = {**reply.headers, "transfer-encoding": "chunked", "connection": conn}
@@ -91,4 +101,5 @@ class SimServer:
             if delay > 0:
                 await anyio.sleep(delay)
             await client.send(b"%x\r\n%s\r\n" % (len(data), data))
-        await client.send(b"0\r\n\r\n")
+        if not cut:
+            await client.send(b"0\r\n\r\n")

@@ -17,15 +17,20 @@ Sleep = Callable[[float], Awaitable[None]]
 
 
 class _EventStream(httpx.AsyncByteStream):
-    def __init__(self, events: list[tuple[float, bytes]], sleep: Sleep) -> None:
+    """Plays a reply's parts; `cut` drops the 'connection' after them, as a server would."""
+
+    def __init__(self, events: list[tuple[float, bytes]], sleep: Sleep, cut: bool) -> None:
         self._events = events
         self._sleep = sleep
+        self._cut = cut
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         for delay, data in self._events:
             if delay > 0:
                 await self._sleep(delay)
             yield data
+        if self._cut:
+            raise httpx.RemoteProtocolError("peer closed connection mid-body (simulated cut)")
 
 
 class SimTransport(httpx.AsyncBaseTransport):
@@ -37,10 +42,18 @@ class SimTransport(httpx.AsyncBaseTransport):
         body = await request.aread()
         headers = {k.lower(): v for k, v in request.headers.items()}
         reply: Reply = self.model.handle(request.method, request.url.path, headers, body)
+        if reply.fault == "reset":
+            raise httpx.RemoteProtocolError("server disconnected without a response (simulated)")
+        if reply.fault == "hang":
+            await anyio.sleep_forever()  # the client's timeout ends this
+        cut = reply.fault == "cut"
         if reply.events is None:
             if reply.delay > 0:
                 await self._sleep(reply.delay)
-            return httpx.Response(reply.status, headers=reply.headers, content=reply.body)
-        return httpx.Response(
-            reply.status, headers=reply.headers, stream=_EventStream(reply.events, self._sleep)
-        )
+            if not cut:
+                return httpx.Response(reply.status, headers=reply.headers, content=reply.body)
+            events = [(0.0, reply.body)]
+        else:
+            events = reply.events
+        stream = _EventStream(events, self._sleep, cut)
+        return httpx.Response(reply.status, headers=reply.headers, stream=stream)

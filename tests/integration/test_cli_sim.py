@@ -209,7 +209,7 @@ def test_unreachable_endpoint_aborts_with_items_pending(cli: CLI, tmp_path: Path
         f"http://127.0.0.1:{port}/v1",
         "--model",
         "m",
-        "--outage-grace",
+        "--outage-timeout",
         "1",
         "--max-attempts",
         "2",

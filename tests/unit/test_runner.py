@@ -185,7 +185,7 @@ async def test_unreachable_endpoint_stops_after_grace_without_burning_items(
 
     # Four workers fail at once: the watch sees several items failing, so none is burned.
     ledger, stats, _ = await run(
-        tmp_path, 12, ScriptedTransport(down), outage_grace=30.0, max_attempts=4
+        tmp_path, 12, ScriptedTransport(down), outage_timeout=30.0, max_attempts=4
     )
     assert stats.aborted is not None and "unreachable" in stats.aborted
     counts = ledger.counts("j")

@@ -1,0 +1,119 @@
+"""`batchrun sim`: serve the built-in OpenAI-compatible simulator on a real socket."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import anyio
+import click
+
+from batchrun.cli_errors import errors_to_exit_codes
+from batchrun.errors import UsageError
+from batchrun.sim import SimConfig, SimModel, SimServer
+from batchrun.sim.faults import FAULT_KINDS, check_rates
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option(
+    "--port",
+    default=8089,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="Port (0 picks a free one and prints it).",
+)
+@click.option("--ttft-ms", default=50.0, show_default=True, help="Time to first token.")
+@click.option("--tpot-ms", default=5.0, show_default=True, help="Time per output token.")
+@click.option(
+    "--prefill-ms-per-token",
+    default=0.0,
+    show_default=True,
+    help="Extra time to first token per prompt token.",
+)
+@click.option("--min-output-tokens", default=8, show_default=True)
+@click.option("--max-output-tokens", default=48, show_default=True)
+@click.option("--model", "models", multiple=True, help="Model name(s) served [sim-1].")
+@click.option("--strict-models", is_flag=True, help="Answer 404 to an unknown model.")
+@click.option("--api-key-env", help="Require the key held in this environment variable.")
+@click.option(
+    "--fault",
+    "faults",
+    multiple=True,
+    metavar="KIND=RATE",
+    help=f"Inject a fault with this probability; KIND is one of {', '.join(FAULT_KINDS)}.",
+)
+@click.option("--fault-seed", default=0, show_default=True, help="Seed of the fault choice.")
+@click.option(
+    "--retry-after-ms",
+    default=50.0,
+    show_default=True,
+    help="What a simulated 429 asks clients to wait.",
+)
+@errors_to_exit_codes
+def sim(
+    host: str,
+    port: int,
+    ttft_ms: float,
+    tpot_ms: float,
+    prefill_ms_per_token: float,
+    min_output_tokens: int,
+    max_output_tokens: int,
+    models: tuple[str, ...],
+    strict_models: bool,
+    api_key_env: str | None,
+    faults: tuple[str, ...],
+    fault_seed: int,
+    retry_after_ms: float,
+) -> None:
+    """Serve the built-in OpenAI-compatible simulator (synthetic outputs) until stopped.
+
+    GET /sim/stats reports requests, faults injected by kind, and prompts answered twice."""
+    api_key = None
+    if api_key_env:
+        api_key = os.environ.get(api_key_env)
+        if not api_key:
+            raise UsageError(f"--api-key-env {api_key_env}: that variable is not set")
+    config = SimConfig(
+        ttft_ms=ttft_ms,
+        tpot_ms=tpot_ms,
+        prefill_ms_per_token=prefill_ms_per_token,
+        min_output_tokens=min_output_tokens,
+        max_output_tokens=max_output_tokens,
+        models=models or ("sim-1",),
+        strict_models=strict_models,
+        faults=_fault_rates(faults),
+        fault_seed=fault_seed,
+        retry_after_ms=retry_after_ms,
+        api_key=api_key,
+    )
+    server = SimServer(SimModel(config))
+
+    def ready(bound: int) -> None:
+        click.echo(f"batchrun sim: serving http://{host}:{bound}/v1 (synthetic outputs)")
+        sys.stdout.flush()
+
+    try:
+        anyio.run(functools.partial(server.serve, host, port, ready))
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        raise UsageError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def _fault_rates(specs: tuple[str, ...]) -> dict[str, float]:
+    """Parse repeated --fault KIND=RATE options."""
+    rates: dict[str, float] = {}
+    for item in specs:
+        kind, sep, rate = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError(item)
+            rates[kind.strip()] = float(rate)
+        except ValueError:
+            raise UsageError(f"--fault {item!r}: write KIND=RATE, e.g. 503=0.05") from None
+    try:
+        return check_rates(rates)
+    except ValueError as exc:
+        raise UsageError(f"--fault: {exc}") from None
