@@ -256,6 +256,10 @@ def _item_id(obj: dict[str, Any], key: str) -> str | None:
     if key not in obj:
         return None
     value = obj[key]
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 2**63:
+        raise _LineProblem(
+            f"{key!r} is an integer too large to keep exactly (over 64 bits); write it as a string"
+        )
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise _LineProblem(f"{key!r} must be a string or an integer, got {_type_name(value)}")
     text = str(value)

@@ -12,6 +12,7 @@ at a time, so the event loop never blocks on disk.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import uuid
@@ -26,7 +27,14 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from batchrun.backends import Backend, Completion, CompletionRequest
 from batchrun.config import RunSpec
-from batchrun.errors import BatchrunError, FatalError, JobBusy, LedgerError, RequestError
+from batchrun.errors import (
+    BatchrunError,
+    FatalError,
+    JobBusy,
+    LedgerError,
+    OutputError,
+    RequestError,
+)
 from batchrun.ledger import ClaimedItem, ItemResult, Ledger
 from batchrun.progress import JobLog, Progress, input_summary
 from batchrun.retry import OutageWatch, RetryPolicy, Sleep
@@ -148,21 +156,36 @@ class Runner:
                     side.start_soon(self._drain_on_stop)
                     await self._run_workers(results_send)
                     side.cancel_scope.cancel()
-        finally:
+        except BaseException:
+            # Keep the error that stopped the run; a failed release (same full disk, say) is
+            # only logged; the next resume reclaims the leases anyway.
             with anyio.CancelScope(shield=True):
-                back = await self._db(self.ledger.release, self.job, self.owner)
-                self.stats.elapsed = time.monotonic() - self.stats.started
-                self.log.event(
-                    "run_stopped",
-                    released=back,
-                    recorded=self.stats.recorded,
-                    requests=self.stats.requests,
-                    retries=self.stats.retries,
-                    aborted=self.stats.aborted,
-                    interrupted=self.stats.interrupted,
-                    elapsed_s=round(self.stats.elapsed, 3),
-                )
+                await self._finish(quiet_errors=True)
+            raise
+        with anyio.CancelScope(shield=True):
+            await self._finish(quiet_errors=False)
         return self.stats
+
+    async def _finish(self, *, quiet_errors: bool) -> None:
+        """Give the job back (unfinished claims return to pending) and log the run's end."""
+        back: int | None = None
+        try:
+            back = await self._db(self.ledger.release, self.job, self.owner)
+        except LedgerError:
+            if not quiet_errors:
+                raise
+        self.stats.elapsed = time.monotonic() - self.stats.started
+        with contextlib.suppress(OutputError):
+            self.log.event(
+                "run_stopped",
+                released=back,
+                recorded=self.stats.recorded,
+                requests=self.stats.requests,
+                retries=self.stats.retries,
+                aborted=self.stats.aborted,
+                interrupted=self.stats.interrupted,
+                elapsed_s=round(self.stats.elapsed, 3),
+            )
 
     async def _run_workers(self, results_send: MemoryObjectSendStream[ItemResult]) -> None:
         work_send, work_recv = anyio.create_memory_object_stream[ClaimedItem](self.spec.concurrency)

@@ -37,6 +37,8 @@ def _storage_errors(action: str) -> Iterator[None]:
         # parameters, which hold prompts.
         reason = str(getattr(exc, "orig", None) or type(exc).__name__)
         busy = "locked" in reason or "busy" in reason
+        if "disk I/O error" in reason or "full" in reason:
+            reason += " (is the disk full, or the file over a size limit?)"
         raise LedgerError(f"ledger error while {action}: {reason}", busy=busy) from None
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sqlite3
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,3 +96,48 @@ def write_prompts(
             record = {"id": f"item-{i}", "prompt": prompt, **(extra(i) if extra else {})}
             f.write(json.dumps(record) + "\n")
     return prompts
+
+
+def sim_stats(url: str) -> dict[str, Any]:
+    """The simulator's own count of requests, faults and re-sent prompts."""
+    base = url.removesuffix("/v1")
+    with urllib.request.urlopen(f"{base}/sim/stats", timeout=10) as response:
+        stats: dict[str, Any] = json.loads(response.read())
+    return stats
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def start_sim(*args: str) -> tuple[subprocess.Popen[str], str]:
+    """A `batchrun sim` process on 127.0.0.1 the test manages itself (to kill and restart it)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchrun", "sim", "--host", "127.0.0.1", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "serving" not in line:
+        proc.kill()
+        raise AssertionError(
+            f"sim did not start: {line!r} {proc.stderr.read() if proc.stderr else ''}"
+        )
+    return proc, line.split()[3]
+
+
+# ~23% of requests fail, across every kind the simulator can inject.
+CHAOS_FAULTS = {
+    "429": 0.03, "500": 0.02, "502": 0.02, "503": 0.03, "504": 0.02,
+    "reset": 0.03, "hang": 0.01, "cut": 0.03, "nonjson": 0.02, "empty": 0.02,
+}  # fmt: skip
+
+
+def fault_args(rates: dict[str, float], seed: int = 7) -> list[str]:
+    args = [f"--fault={kind}={rate}" for kind, rate in rates.items()]
+    return [*args, "--fault-seed", str(seed), "--retry-after-ms", "50"]
