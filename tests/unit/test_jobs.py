@@ -60,3 +60,24 @@ def test_task_group_errors_are_unwrapped_to_the_batchrun_error() -> None:
     assert jobs._single_error(group) is busy
     other = BaseExceptionGroup("tg", [ValueError("bug")])
     assert jobs._single_error(other) is other
+
+
+def test_ids_that_collide_after_string_conversion_are_duplicates(tmp_path: Path) -> None:
+    from batchrun.errors import InputError
+    from batchrun.ledger import Ledger
+
+    inp = tmp_path / "ids.jsonl"
+    inp.write_text(
+        '{"id": 5, "prompt": "a"}\n'
+        '{"id": "5", "prompt": "b"}\n'
+        '{"prompt": "c"}\n'  # no id: its id is its line number, "3"
+        '{"id": "3", "prompt": "d"}\n'
+    )
+    ledger = Ledger(f"sqlite:///{tmp_path / 'l.db'}")
+    spec = resolve({"backend": "sim"})
+    with pytest.raises(InputError) as caught:
+        jobs.create_job(ledger, "ids", inp, spec)
+    assert caught.value.problems == [
+        (2, "duplicate id '5' (first on line 1)"),
+        (4, "duplicate id '3' (first on line 3)"),
+    ]
