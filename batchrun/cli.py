@@ -127,7 +127,7 @@ def _run(ctx: Context, name: str, spec: RunSpec, quiet: bool) -> None:
     else:
         say(f"job {name} has nothing left to do")
     job = ledger.get_job(name)
-    final_spec = RunSpec(**jobs.stored_spec(job)) if job else spec
+    final_spec = jobs.job_spec(job) if job else spec
     counts, complete = jobs.finish(ledger, home, name, final_spec)
     output = home.output_path(name) if complete else None
     say(jobs.summary_line(name, counts, stats, output))
@@ -269,7 +269,7 @@ def export(ctx: Context, job_name: str, output: Path | None, fmt: str) -> None:
     """Write JOB_NAME's results file again (one line per input line, input order)."""
     job = _job(ctx, job_name)
     path = output or ctx.home.output_path(job.name)
-    spec = RunSpec(**jobs.stored_spec(job))
+    spec = jobs.job_spec(job)
     count = jobs.export(ctx.ledger, path, job.name, spec, fmt)
     say(f"wrote {count} lines to {path}")
 

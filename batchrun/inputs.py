@@ -214,10 +214,14 @@ def estimate_tokens(chars: int) -> int:
 
 
 def _prompt_texts(body: dict[str, Any]) -> list[str]:
-    if isinstance(body.get("prompt"), str):
-        return [body["prompt"]]
+    """Every piece of prompt text in a request: the prompt and all message contents."""
     parts: list[str] = []
-    for msg in body.get("messages") or []:
+    if isinstance(body.get("prompt"), str):
+        parts.append(body["prompt"])
+    messages = body.get("messages")
+    for msg in messages if isinstance(messages, list) else []:
+        if not isinstance(msg, dict):
+            continue
         content = msg.get("content")
         if isinstance(content, str):
             parts.append(content)

@@ -73,6 +73,12 @@ def stored_spec(job: Job) -> dict[str, Any]:
     return data
 
 
+def job_spec(job: Job) -> RunSpec:
+    """The spec a job last ran with, checked like any other (a clear error, not a TypeError,
+    if it was stored by a version with other option names)."""
+    return resolve(stored_spec(job))
+
+
 def spec_json(spec: RunSpec) -> str:
     return orjson.dumps(spec.to_json()).decode()
 
@@ -234,7 +240,6 @@ async def run_job(
         except FatalError as exc:
             log.event("abort", error=str(exc), kind=type(exc).__name__)
             return RunStats(aborted=str(exc))
-        ledger.update_spec(name, spec_json(spec))
         counts = ledger.counts(name)
         done_before = sum(counts[s] for s in ("done", "failed", "invalid", "rejected"))
         progress = Progress(

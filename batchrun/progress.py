@@ -90,8 +90,13 @@ class JobLog:
                 self._pending.clear()
 
     def close(self) -> None:
-        self.flush()
-        self._file.close()
+        try:
+            self.flush()
+        finally:
+            try:
+                self._file.close()  # may flush buffered bytes once more: same disk, same error
+            except OSError as exc:
+                raise OutputError(f"cannot write the job log {self.path}: {exc.strerror}") from None
 
 
 class Progress:

@@ -1,11 +1,11 @@
 """Retry policy over tenacity, and the outage watch that keeps a dead endpoint from burning items.
 
 Transient errors are retried with exponential backoff and full jitter, or exactly as long as the
-server's Retry-After says. While the endpoint looks down for everyone (connection failures or
-502/503/504 on at least two different items, with no success since), items keep their attempts
-instead of being failed one by one; past the grace period the whole job stops with EndpointDown.
-One item that always fails the same way (a poison prompt behind a 504 proxy) is not an outage:
-it runs out of attempts and is marked failed like any other.
+server's Retry-After says. While the endpoint looks down for everyone (connection failures,
+timeouts or 5xx on at least two different items, with no success since), items keep their
+attempts instead of being failed one by one; past the grace period the whole job stops with
+EndpointDown. An item that keeps failing while other requests succeed (a poison prompt behind a
+504 proxy) is not an outage: it runs out of attempts and is marked failed like any other.
 """
 
 from __future__ import annotations
@@ -18,20 +18,32 @@ import anyio
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 from tenacity.wait import wait_random_exponential
 
-from batchrun.errors import ConnectionFailed, EndpointDown, Overloaded, TransientError
+from batchrun.errors import (
+    ConnectionFailed,
+    EndpointDown,
+    Overloaded,
+    RequestTimeout,
+    TransientError,
+)
 
 T = TypeVar("T")
 Sleep = Callable[[float], Awaitable[None]]
 Clock = Callable[[], float]
 
 MAX_RETRY_AFTER = 300.0
-OUTAGE_STATUSES = (502, 503, 504)
+OUTAGE_STATUSES = (500, 502, 503, 504)
 
 
 class OutageWatch:
-    """Tracks whether the endpoint has answered anyone since the first sign of an outage."""
+    """Tells an outage (nobody gets answers) from poison items (a few prompts always fail).
 
-    MIN_ITEMS = 2  # distinct failing items before it counts as an outage, not a poison item
+    An outage: failures of the outage kinds on at least two items, none of them a suspect, with
+    no success since. A suspect is an item that was failing when another request succeeded:
+    the endpoint worked, so that item's failures are its own, and they always count against
+    its attempts. `grace` of 0 turns outage handling off: every failure counts.
+    """
+
+    MIN_ITEMS = 2
 
     def __init__(self, grace: float, clock: Clock = time.monotonic) -> None:
         self.grace = grace
@@ -39,25 +51,32 @@ class OutageWatch:
         self.down_since: float | None = None
         self.last_error = ""
         self._failing: set[Hashable] = set()
+        self._suspects: set[Hashable] = set()
 
-    def success(self) -> None:
-        self.down_since = None
+    def success(self, key: Hashable = None) -> None:
+        self._suspects.update(self._failing)
+        self._suspects.discard(key)
         self._failing.clear()
+        self.down_since = None
 
-    def failure(self, exc: TransientError, key: Hashable = None) -> None:
-        """Note a failed request; `key` names the item it was for."""
-        looks_down = isinstance(exc, ConnectionFailed) or (
-            isinstance(exc, Overloaded) and exc.status in OUTAGE_STATUSES
-        )
-        if looks_down:
-            self.last_error = str(exc)
-            self._failing.add(key)
-            if self.down_since is None:
-                self.down_since = self.clock()
+    def failure(self, exc: TransientError, key: Hashable = None) -> bool:
+        """Note a failed request for item `key`. True: it failed in an outage, so it should
+        not count against the item's attempts."""
+        if not looks_like_outage(exc):
+            return False
+        self.last_error = str(exc)
+        if key in self._suspects:
+            return False
+        self._failing.add(key)
+        if self.down_since is None:
+            self.down_since = self.clock()
+        return self.down
 
     @property
     def down(self) -> bool:
-        return self.down_since is not None and len(self._failing) >= self.MIN_ITEMS
+        return (
+            self.grace > 0 and self.down_since is not None and len(self._failing) >= self.MIN_ITEMS
+        )
 
     def check(self) -> None:
         """Raise EndpointDown once the outage has lasted longer than the grace period."""
@@ -65,6 +84,13 @@ class OutageWatch:
             raise EndpointDown(
                 f"endpoint unreachable for over {self.grace:g}s; last error: {self.last_error}"
             )
+
+
+def looks_like_outage(exc: TransientError) -> bool:
+    """Failures that a down or broken server gives every request alike."""
+    if isinstance(exc, (ConnectionFailed, RequestTimeout)):
+        return True
+    return isinstance(exc, Overloaded) and exc.status in OUTAGE_STATUSES
 
 
 class RetryPolicy:
@@ -91,17 +117,19 @@ class RetryPolicy:
         wait = float(self._backoff(state))
         return min(wait, self._outage_wait) if self.outage.down else wait
 
-    def _stop(self, state: RetryCallState) -> bool:
-        # During an outage nobody's attempts count: the watch decides when to give up.
-        return state.attempt_number >= self.max_attempts and not self.outage.down
-
     async def call(self, fn: Callable[[], Awaitable[T]], key: Hashable = None) -> T:
         """Run fn until it succeeds, fails permanently, or runs out of attempts.
 
-        `key` names the item, so the outage watch can tell one failing item from many."""
+        `key` names the item. Failures during an outage do not count against its attempts;
+        the outage watch decides when the whole job gives up instead."""
+        counted = 0
+
+        def out_of_attempts(_state: RetryCallState) -> bool:
+            return counted >= self.max_attempts
+
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(TransientError),
-            stop=self._stop,
+            stop=out_of_attempts,
             wait=self._wait,
             sleep=self.sleep,
             reraise=True,
@@ -112,9 +140,10 @@ class RetryPolicy:
                 try:
                     result = await fn()
                 except TransientError as exc:
-                    self.outage.failure(exc, key)
+                    if not self.outage.failure(exc, key):
+                        counted += 1
                     raise
-                self.outage.success()
+                self.outage.success(key)
                 return result
         raise AssertionError("unreachable: tenacity either returns or reraises")
 

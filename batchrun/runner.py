@@ -137,7 +137,11 @@ class Runner:
     async def run(self) -> RunStats:
         s = self.settings
         self.stats.reclaimed = await self._db(
-            self.ledger.acquire, self.job, self.owner, ttl=s.lease_ttl
+            self.ledger.acquire,
+            self.job,
+            self.owner,
+            ttl=s.lease_ttl,
+            spec=orjson.dumps(self.spec.to_json()).decode(),
         )
         self.log.event(
             "run_started",

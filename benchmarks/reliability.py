@@ -19,7 +19,6 @@ import signal
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,9 @@ from batchrun.sim import prompt_tag
 from tests.integration.helpers import (
     CHAOS_FAULTS,
     CLI,
+    audited_records,
     fault_args,
+    install_audit,
     sim_stats,
     start_sim,
     write_prompts,
@@ -37,17 +38,18 @@ from tests.integration.helpers import (
 
 
 def check(cli: CLI, job: str, prompts: list[str]) -> dict[str, int]:
-    """Lost and duplicated items, from the ledger and the results file."""
+    """Lost and duplicated items: the ledger, the results file, and an audit trigger that saw
+    every result commit (installed from outside batchrun before the run)."""
     items = cli.items(job)
     output = cli.output(job)
-    ids = Counter(o["id"] for o in output)
     wrong = sum(1 for o, p in zip(output, prompts, strict=False)
                 if not (o["output"] or "").startswith(prompt_tag(p)))  # fmt: skip
+    committed, distinct = audited_records(cli.home / "jobs" / "ledger.db", job)
     return {
         "lost": len(prompts) - sum(1 for r in items if r["status"] == "done"),
-        "recorded_twice": sum(n - 1 for n in ids.values() if n > 1)
-        + max(0, len(items) - len(prompts)),
-        "wrong_output": wrong,
+        "committed": committed,
+        "recorded_twice": committed - distinct,
+        "wrong_output": wrong + abs(len(output) - len(prompts)),
         "attempts": sum(r["attempts"] for r in items),
     }
 
@@ -62,6 +64,7 @@ def report(title: str, n: int, stats: dict[str, Any], found: dict[str, int], ext
     for kind in sorted(faults):
         print(f"    {kind:<8}                 {faults[kind]}")
     print(f"  retries                    {found['attempts'] - n}")
+    print(f"  results committed          {found['committed']}")
     print(f"  items lost                 {found['lost']}")
     print(f"  items recorded twice       {found['recorded_twice']}")
     print(f"  outputs not their input's  {found['wrong_output']}")
@@ -77,9 +80,11 @@ def chaos(home: Path, items: int, seed: int) -> None:
         cli = CLI(home)
         inp = home / "chaos.jsonl"
         prompts = write_prompts(inp, items)
+        cli.run("submit", str(inp), "--base-url", url, "--model", "sim-1", "--no-run")
+        install_audit(home / "jobs" / "ledger.db")
         started = time.perf_counter()
-        done = cli.run("submit", str(inp), "--base-url", url, "--concurrency", "32", "--timeout",
-                       "1", "--max-attempts", "12", "--quiet", timeout=1800)  # fmt: skip
+        done = cli.run("resume", "chaos", "--concurrency", "32", "--timeout", "3",
+                       "--max-attempts", "12", "--quiet", timeout=1800)  # fmt: skip
         took = time.perf_counter() - started
         report("chaos", items, sim_stats(url), check(cli, "chaos", prompts),
                f"exit code {done.returncode}, {took:.1f}s")  # fmt: skip
@@ -96,10 +101,16 @@ def crash_loop(home: Path, items: int, kills: int, seed: int) -> None:
         rng = random.Random(seed)
         command = ("submit", str(inp), "--base-url", url, "--model", "sim-1",
                    "--concurrency", "8", "--quiet")  # fmt: skip
+        cli.run(*command, "--no-run")
+        install_audit(home / "jobs" / "ledger.db")
+        step = max(1, items // (kills + 5))
         done_kills = 0
         while done_kills < kills:
             proc = cli.start(*command)
-            time.sleep(rng.uniform(0.2, 1.0))
+            # Mid-run every time: once this run has committed new results, a random moment
+            # later (requests in flight, results in the commit window, or a commit) kill it.
+            cli.wait_for("loop", step * (done_kills + 1), proc, timeout=600)
+            time.sleep(rng.uniform(0.0, 0.3))
             if proc.poll() is not None:
                 break
             proc.send_signal(signal.SIGKILL)

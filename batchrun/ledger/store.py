@@ -23,6 +23,7 @@ from batchrun.ledger.ingest import Loader
 from batchrun.ledger.migrations import migrate
 from batchrun.ledger.records import ClaimedItem, IngestReport, ItemResult, Job
 from batchrun.ledger.schema import STATUSES, items, jobs
+from batchrun.ledger.stats import item_stats
 
 
 @contextmanager
@@ -39,6 +40,8 @@ def _storage_errors(action: str) -> Iterator[None]:
         busy = "locked" in reason or "busy" in reason
         if "disk I/O error" in reason or "full" in reason:
             reason += " (is the disk full, or the file over a size limit?)"
+        elif "unable to open database file" in reason:
+            reason += " (does the folder exist, and is it writable? read-only filesystem?)"
         raise LedgerError(f"ledger error while {action}: {reason}", busy=busy) from None
 
 
@@ -77,12 +80,6 @@ class Ledger:
         with self._read("listing jobs") as conn:
             rows = conn.execute(select(jobs).order_by(jobs.c.created_at)).mappings().all()
         return [Job(**r) for r in rows]
-
-    def update_spec(self, name: str, spec: str) -> None:
-        with self._write("updating a job") as conn:
-            conn.execute(
-                update(jobs).where(jobs.c.name == name).values(spec=spec, updated_at=time.time())
-            )
 
     def mark_finished(self, name: str, finished: bool) -> None:
         now = time.time()
@@ -145,8 +142,11 @@ class Ledger:
 
     # --- the job's runner lock ---------------------------------------------------------------
 
-    def acquire(self, name: str, owner: str, *, ttl: float) -> int:
+    def acquire(self, name: str, owner: str, *, ttl: float, spec: str | None = None) -> int:
         """Become the job's only runner; reclaim the leases a dead runner left behind.
+
+        `spec` (this run's resolved spec) is stored in the same transaction, so a process that
+        is refused never changes the settings of the one that is running.
 
         A runner is dead when its heartbeat is older than `ttl`, or when it ran on this host and
         its process is gone (so a resume right after kill -9 need not wait). Returns how many
@@ -171,6 +171,7 @@ class Ledger:
                 update(jobs)
                 .where(jobs.c.name == name)
                 .values(
+                    **({"spec": spec} if spec is not None else {}),
                     runner_owner=owner,
                     runner_pid=os.getpid(),
                     runner_host=host,
@@ -241,6 +242,12 @@ class Ledger:
             update(items)
             # status again here: PostgreSQL re-checks only the outer WHERE after a row lock
             .where(items.c.job == name, items.c.line.in_(pending), items.c.status == "pending")
+            # and only while we still hold the job: a stalled runner that was taken over stops
+            .where(
+                select(jobs.c.name)
+                .where(jobs.c.name == name, jobs.c.runner_owner == owner)
+                .exists()
+            )
             .values(status="running", owner=owner, lease_expires=now + lease_ttl, updated_at=now)
             .returning(
                 items.c.line,
@@ -348,53 +355,9 @@ class Ledger:
             last = rows[-1]["line"]
 
     def item_stats(self, name: str) -> dict[str, Any]:
-        """Token totals and latency percentiles of done items, for `status`."""
+        """Token totals, latency percentiles and the commonest errors, for `status`."""
         with self._read("reading stats") as conn:
-            totals = conn.execute(
-                select(
-                    func.sum(items.c.prompt_tokens),
-                    func.sum(items.c.completion_tokens),
-                    func.sum(items.c.attempts),
-                ).where(items.c.job == name)
-            ).one()
-            latencies: list[float] = list(
-                conn.execute(
-                    select(items.c.latency_ms)
-                    .where(
-                        items.c.job == name,
-                        items.c.status == "done",
-                        items.c.latency_ms.is_not(None),
-                    )
-                    .order_by(items.c.latency_ms)
-                )
-                .scalars()
-                .all()
-            )
-            errors = conn.execute(
-                select(items.c.error, func.count().label("n"))
-                .where(items.c.job == name, items.c.error.is_not(None))
-                .group_by(items.c.error)
-                .order_by(func.count().desc())
-                .limit(5)
-            ).all()
-        return {
-            "prompt_tokens": int(totals[0] or 0),
-            "completion_tokens": int(totals[1] or 0),
-            "attempts": int(totals[2] or 0),
-            "latency_ms": {
-                "p50": _percentile(latencies, 0.50),
-                "p95": _percentile(latencies, 0.95),
-                "p99": _percentile(latencies, 0.99),
-            },
-            "top_errors": [{"error": e, "count": int(n)} for e, n in errors],
-        }
-
-
-def _percentile(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return float(sorted_values[index])
+            return item_stats(conn, name)
 
 
 def runner_alive(job: Any, now: float, ttl: float, host: str | None = None) -> bool:

@@ -2,7 +2,7 @@
 
 Which request gets which fault depends only on the seed, the prompt and how many times that
 prompt has been asked before, never on timing or request order, so a failing test replays the
-same way at any concurrency.
+same way at any concurrency (as long as prompts are distinct: identical prompts share a count).
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ class FaultPlan:
         self._asked: Counter[str] = Counter()  # requests seen per prompt tag
 
     def pick(self, tag: str) -> str | None:
+        if not self.rates:
+            return None  # and remember nothing: a long fault-free run costs no memory here
         n = self._asked[tag]
         self._asked[tag] += 1
-        if not self.rates:
-            return None
         digest = hashlib.sha256(f"{self.seed}:{tag}:{n}".encode()).digest()
         u = int.from_bytes(digest[:8], "big") / 2**64
         edge = 0.0

@@ -123,7 +123,7 @@ class SimModel:
         self.config = config or SimConfig()
         self.requests = 0  # how many completion requests were answered (tests read this)
         self.faults = FaultPlan(self.config.faults, self.config.fault_seed)
-        self.answered: set[str] = set()  # prompt tags that got a complete answer
+        self.answered: set[int] = set()  # prompts (by digest) that got a complete answer
         self.resent = 0  # complete answers to a prompt that already had one
 
     def stats(self) -> dict[str, Any]:
@@ -191,9 +191,10 @@ class SimModel:
         reply = self._answer(endpoint, request, text, tag)
         if fault == "cut":
             return _cut(reply)
-        if tag in self.answered:
+        answer_id = int(tag[5:-1], 16)  # 48 bits of the prompt's digest: compact for big runs
+        if answer_id in self.answered:
             self.resent += 1
-        self.answered.add(tag)
+        self.answered.add(answer_id)
         return reply
 
     def _answer(self, endpoint: str, request: dict[str, Any], text: str, tag: str) -> Reply:

@@ -141,3 +141,31 @@ CHAOS_FAULTS = {
 def fault_args(rates: dict[str, float], seed: int = 7) -> list[str]:
     args = [f"--fault={kind}={rate}" for kind, rate in rates.items()]
     return [*args, "--fault-seed", str(seed), "--retry-after-ms", "50"]
+
+
+def install_audit(db: Path) -> None:
+    """Record every transition of an item to a final status, from outside batchrun, so a test
+    can prove no result was committed twice (the ledger's guard is what is under test)."""
+    conn = sqlite3.connect(db)
+    with conn:
+        conn.executescript(
+            """
+            CREATE TABLE IF NOT EXISTS audit_final (job TEXT, line INTEGER, status TEXT);
+            CREATE TRIGGER IF NOT EXISTS audit_final_trigger AFTER UPDATE OF status ON items
+            WHEN NEW.status IN ('done', 'failed', 'invalid') AND OLD.status = 'running'
+            BEGIN INSERT INTO audit_final VALUES (NEW.job, NEW.line, NEW.status); END;
+            """
+        )
+    conn.close()
+
+
+def audited_records(db: Path, job: str) -> tuple[int, int]:
+    """(results committed, distinct items they were for)."""
+    conn = sqlite3.connect(db)
+    try:
+        total, distinct = conn.execute(
+            "SELECT count(*), count(DISTINCT line) FROM audit_final WHERE job = ?", (job,)
+        ).fetchone()
+    finally:
+        conn.close()
+    return int(total), int(distinct)

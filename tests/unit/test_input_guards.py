@@ -396,3 +396,17 @@ def test_non_integer_ids_are_bad_lines(tmp_path: Path, key: str, value: Any, kin
 def test_empty_string_ids_are_bad_lines(tmp_path: Path, value: str) -> None:
     entry = bad(read_line(tmp_path, {"id": value, "prompt": "hi"}))
     assert "empty" in entry.reason
+
+
+def test_every_prompt_field_of_a_batch_body_is_measured(tmp_path: Path) -> None:
+    body = {
+        "prompt": "hi",
+        "messages": [{"role": "user", "content": "x" * 500 + "\u0000"}],
+    }
+    line = json.dumps({"custom_id": "b", "url": "/v1/chat/completions", "body": body})
+    entry = read_line(tmp_path, line, max_input_chars=100)
+    assert isinstance(entry, BadLine) and "NUL" in entry.reason
+    body["messages"] = [{"role": "user", "content": "x" * 500}]
+    line = json.dumps({"custom_id": "b", "url": "/v1/chat/completions", "body": body})
+    entry = read_line(tmp_path, line, max_input_chars=100)
+    assert isinstance(entry, BadLine) and "502 characters" in entry.reason

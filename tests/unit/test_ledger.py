@@ -352,3 +352,13 @@ def test_runner_alive_rules() -> None:
     assert not runner_alive({**me, "runner_heartbeat": now - 61}, now, 60, "h")
     assert not runner_alive({**me, "runner_heartbeat": None}, now, 60, "h")
     assert runner_alive({**me, "runner_host": "elsewhere", "runner_pid": 999999}, now, 60, "h")
+
+
+def test_a_runner_that_was_taken_over_claims_nothing(ledger: Ledger) -> None:
+    make_job(ledger, 6)
+    ledger.acquire("j", "stalled", ttl=60)
+    assert len(ledger.claim("j", "stalled", 2, lease_ttl=60)) == 2
+    with ledger.engine.begin() as conn:  # its heartbeat went stale and another runner took over
+        conn.execute(text("UPDATE jobs SET runner_owner = 'new'"))
+    assert ledger.claim("j", "stalled", 2, lease_ttl=60) == []
+    assert [c.line for c in ledger.claim("j", "new", 10, lease_ttl=60)] == [3, 4, 5, 6]

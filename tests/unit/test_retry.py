@@ -239,11 +239,13 @@ async def test_backoff_is_jittered() -> None:
     "error",
     [
         ConnectionFailed("refused"),
+        RequestTimeout("no answer"),
+        Overloaded("HTTP 500", status=500),
         Overloaded("HTTP 502", status=502),
         Overloaded("HTTP 503", status=503),
         Overloaded("HTTP 504", status=504),
     ],
-    ids=["connect", "502", "503", "504"],
+    ids=["connect", "timeout", "500", "502", "503", "504"],
 )
 def test_outage_signs_mark_endpoint_down(error: TransientError) -> None:
     clock = FakeTime()
@@ -260,13 +262,11 @@ def test_outage_signs_mark_endpoint_down(error: TransientError) -> None:
 @pytest.mark.parametrize(
     "error",
     [
-        Overloaded("HTTP 500", status=500),
         Overloaded("HTTP 408", status=408),
         RateLimited("HTTP 429", retry_after=5),
-        RequestTimeout("slow"),
         StreamCut("cut"),
     ],
-    ids=["500", "408", "429", "timeout", "streamcut"],
+    ids=["408", "429", "streamcut"],
 )
 def test_other_transient_errors_do_not_mark_down(error: TransientError) -> None:
     watch = OutageWatch(30.0, clock=FakeTime())
@@ -306,7 +306,7 @@ def test_success_restarts_outage_clock() -> None:
     watch = OutageWatch(60.0, clock=clock)
     watch.failure(ConnectionFailed("down"), key=1)
     clock.now = 50.0
-    watch.success()
+    watch.success(key=1)  # item 1 itself got through: it is not a suspect
     clock.now = 70.0
     watch.failure(Overloaded("HTTP 503", status=503), key=1)
     watch.failure(Overloaded("HTTP 503", status=503), key=2)
@@ -382,26 +382,27 @@ async def test_success_elsewhere_during_outage_restarts_grace() -> None:
     policy, watch, clock = make_policy(max_attempts=2, grace=grace)
 
     class Flaky:
-        """Down for a while, one success (another worker's), then down again for good."""
+        """Down; one other request gets through; then down again for good. The others that
+        fail are fresh items each time, so the outage is everyone's, not this item's."""
 
         def __init__(self) -> None:
             self.calls = 0
 
         async def __call__(self) -> str:
             self.calls += 1
+            watch.failure(ConnectionFailed("refused"), key=f"other-{self.calls}")
             if self.calls == 4:
-                watch.success()  # someone else got through
-            watch.failure(ConnectionFailed("refused"), key="another item")  # others still fail
+                watch.success(key="lucky")  # someone got through; "mine" was failing: suspect
             raise ConnectionFailed("refused")
 
     first_down = clock.now
     fn = Flaky()
-    with pytest.raises(EndpointDown):
-        await policy.call(fn)
-    assert watch.down_since is not None
-    assert watch.down_since > first_down
-    assert clock.now - watch.down_since > grace
-    assert clock.now - first_down > grace
+    with pytest.raises(ConnectionFailed):
+        await policy.call(fn, key="mine")
+    # Three outage failures did not count; at the fourth another request succeeded, so this item
+    # became a suspect: that failure and the next count, and it runs out of its two attempts.
+    assert fn.calls == 5
+    assert watch.down_since is not None and watch.down_since > first_down
 
 
 @pytest.mark.anyio
@@ -430,3 +431,42 @@ async def test_call_within_waits_for_a_starting_server_then_gives_up() -> None:
     with pytest.raises(ConnectionFailed):
         await policy.call_within(never, 20.0)
     assert clock.now - before >= 20.0
+
+
+@pytest.mark.anyio
+async def test_poison_items_are_failed_even_when_nothing_else_is_left() -> None:
+    """Two prompts that always get 504 while the endpoint answers everyone else: once another
+    request has succeeded during their failures they are suspects, and their attempts count,
+    even at the end of the job when they are the only requests left."""
+    policy, watch, _clock = make_policy(max_attempts=3, grace=60.0)
+    poison = Overloaded("HTTP 504", status=504)
+    watch.failure(poison, key="p1")
+    watch.failure(poison, key="p2")
+    watch.success(key="healthy")  # another item got through: p1 and p2 are suspects now
+    for key in ("p1", "p2"):
+        fn = Script([], forever=lambda: poison)
+        with pytest.raises(Overloaded):
+            await policy.call(fn, key=key)
+        assert fn.calls == 3
+    assert not watch.down
+
+
+@pytest.mark.anyio
+async def test_a_suspect_that_succeeds_is_cleared() -> None:
+    policy, watch, _clock = make_policy(max_attempts=3, grace=60.0)
+    watch.failure(ConnectionFailed("x"), key="a")
+    watch.success(key="b")
+    assert await policy.call(Script([]), key="a") == "ok"
+    watch.failure(ConnectionFailed("x"), key="a")
+    watch.failure(ConnectionFailed("x"), key="c")
+    assert watch.down  # "a" counts towards an outage again
+
+
+@pytest.mark.anyio
+async def test_zero_outage_timeout_turns_outage_handling_off() -> None:
+    policy, watch, _clock = make_policy(max_attempts=2, grace=0.0)
+    watch.failure(ConnectionFailed("refused"), key="other")
+    fn = Script([], forever=lambda: ConnectionFailed("refused"))
+    with pytest.raises(ConnectionFailed):
+        await policy.call(fn, key="mine")
+    assert fn.calls == 2 and not watch.down
