@@ -164,18 +164,20 @@ class InputReader:
         if not isinstance(obj, dict):
             return BadLine(number, f"expected a JSON object, got {_type_name(obj)}")
         try:
-            return self._build(number, obj)
+            # A NUL can only be there if the line spells one as an escape: skip the search else.
+            return self._build(number, obj, may_hold_nul=b"\\u0000" in raw)
         except _LineProblem as problem:
             return BadLine(number, str(problem))
 
-    def _build(self, number: int, obj: dict[str, Any]) -> InputItem:
+    def _build(self, number: int, obj: dict[str, Any], *, may_hold_nul: bool) -> InputItem:
         if "custom_id" in obj or "body" in obj:
             endpoint, body, item_id, meta = _batch_shape(obj)
         else:
             endpoint, body, item_id, meta = _plain_shape(obj, self.endpoint)
         if item_id is None:
             item_id = str(number)
-        self._check_size(body)
+        if may_hold_nul or self.max_input_chars is not None or self.max_input_tokens is not None:
+            self._check_size(body)
         try:
             body_json = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
             meta_json = orjson.dumps(meta) if meta else None
