@@ -46,6 +46,25 @@ from batchrun.sim.faults import FAULT_KINDS, check_rates
 )
 @click.option("--fault-seed", default=0, show_default=True, help="Seed of the fault choice.")
 @click.option(
+    "--slots",
+    type=click.IntRange(min=1),
+    help="Batch slots (like vLLM's max_num_seqs); more requests wait in a queue.",
+)
+@click.option(
+    "--tpot-slope",
+    default=0.0,
+    show_default=True,
+    help="How much slower each token is with every slot busy (0.5: 50% slower).",
+)
+@click.option(
+    "--queue-limit",
+    type=click.IntRange(min=0),
+    help="Refuse requests past this many waiting (with --gate-status).",
+)
+@click.option("--gate-status", type=click.Choice(["429", "503"]), default="429", show_default=True)
+@click.option("--rpm", type=click.IntRange(min=1), help="Hosted-API limit: requests a minute.")
+@click.option("--tpm", type=click.IntRange(min=1), help="Hosted-API limit: tokens a minute.")
+@click.option(
     "--retry-after-ms",
     default=50.0,
     show_default=True,
@@ -66,6 +85,12 @@ def sim(
     faults: tuple[str, ...],
     fault_seed: int,
     retry_after_ms: float,
+    slots: int | None,
+    tpot_slope: float,
+    queue_limit: int | None,
+    gate_status: str,
+    rpm: int | None,
+    tpm: int | None,
 ) -> None:
     """Serve the built-in OpenAI-compatible simulator (synthetic outputs) until stopped.
 
@@ -86,6 +111,12 @@ def sim(
         faults=_fault_rates(faults),
         fault_seed=fault_seed,
         retry_after_ms=retry_after_ms,
+        slots=slots,
+        tpot_slope=tpot_slope,
+        queue_limit=queue_limit,
+        gate_status=int(gate_status),
+        rpm=rpm,
+        tpm=tpm,
         api_key=api_key,
     )
     server = SimServer(SimModel(config))

@@ -9,13 +9,16 @@ answer, and the answer names the prompt's digest) and says it is synthetic.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from batchrun.sim.capacity import Capacity, Refusal
 from batchrun.sim.faults import BODY_FAULTS, STATUS_FAULTS, FaultPlan, body_fault, status_fault
 
 WORDS = (
@@ -64,6 +67,14 @@ class SimConfig:
     faults: dict[str, float] = field(default_factory=dict)  # kind -> probability, see faults.py
     fault_seed: int = 0
     retry_after_ms: float = 50.0  # what a simulated 429 asks the client to wait
+    # Capacity (see capacity.py): batch slots, decode slow-down in a full batch (tpot_ms grows by
+    # this fraction at full slots), a gate past a queue length, hosted-API limits per minute.
+    slots: int | None = None
+    tpot_slope: float = 0.0
+    queue_limit: int | None = None
+    gate_status: int = 429
+    rpm: int | None = None
+    tpm: int | None = None
 
 
 @dataclass
@@ -87,6 +98,17 @@ def _json_reply(status: int, payload: Any, delay: float = 0.0) -> Reply:
 
 def _error(status: int, message: str, kind: str) -> Reply:
     return _json_reply(status, {"error": {"message": message, "type": kind, "code": status}})
+
+
+def _refused(refusal: Refusal) -> Reply:
+    headers = {
+        **refusal.headers,
+        "content-type": "application/json",
+        "retry-after": str(max(1, math.ceil(refusal.retry_after))),
+        "retry-after-ms": f"{refusal.retry_after * 1000:.0f}",
+    }
+    body = {"error": {"message": refusal.message, "type": "rate_limit", "code": refusal.status}}
+    return Reply(refusal.status, headers, orjson.dumps(body))
 
 
 def _cut(reply: Reply) -> Reply:
@@ -119,8 +141,17 @@ def prompt_tag(text: str) -> str:
 
 
 class SimModel:
-    def __init__(self, config: SimConfig | None = None) -> None:
+    def __init__(
+        self, config: SimConfig | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config or SimConfig()
+        cfg = self.config
+        self.capacity = (
+            Capacity(slots=cfg.slots, tpot_slope=cfg.tpot_slope, queue_limit=cfg.queue_limit,
+                     gate_status=cfg.gate_status, rpm=cfg.rpm, tpm=cfg.tpm, clock=clock)
+            if cfg.slots is not None or cfg.rpm is not None or cfg.tpm is not None
+            else None
+        )  # fmt: skip
         self.requests = 0  # how many completion requests were answered (tests read this)
         self.faults = FaultPlan(self.config.faults, self.config.fault_seed)
         self.answered: set[int] = set()  # prompts (by digest) that got a complete answer
@@ -189,6 +220,8 @@ class SimModel:
         if fault in ("reset", "hang"):
             return Reply(0, fault=fault)
         reply = self._answer(endpoint, request, text, tag)
+        if reply.status != 200:
+            return reply  # refused by the capacity gate or a rate limit
         if fault == "cut":
             return _cut(reply)
         answer_id = int(tag[5:-1], 16)  # 48 bits of the prompt's digest: compact for big runs
@@ -215,11 +248,21 @@ class SimModel:
         }
         ttft = (cfg.ttft_ms + cfg.prefill_ms_per_token * prompt_tokens) / 1000
         tpot = cfg.tpot_ms / 1000
+        headers: dict[str, str] = {}
+        if self.capacity is not None:
+            admission = self.capacity.admit(
+                prompt_tokens=prompt_tokens, n_out=n_out, ttft=ttft, tpot=tpot
+            )
+            if isinstance(admission, Refusal):
+                return _refused(admission)
+            ttft += admission.queue_wait
+            tpot *= admission.tpot_factor
+            headers = admission.headers
         ident = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-sim-{tag[5:-1]}"
         base = {"id": ident, "created": int(time.time()), "model": model}
         if request.get("stream"):
             options = request.get("stream_options") or {}
-            return self._stream(
+            reply = self._stream(
                 endpoint,
                 base,
                 tokens,
@@ -228,6 +271,8 @@ class SimModel:
                 tpot,
                 usage if options.get("include_usage") else None,
             )
+            reply.headers.update(headers)
+            return reply
         full = " ".join(tokens)
         if endpoint == "chat":
             choice: dict[str, Any] = {
@@ -240,7 +285,9 @@ class SimModel:
             choice = {"index": 0, "finish_reason": finish, "text": full}
             obj = "text_completion"
         payload = {**base, "object": obj, "choices": [choice], "usage": usage}
-        return _json_reply(200, payload, delay=ttft + tpot * (n_out - 1))
+        reply = _json_reply(200, payload, delay=ttft + tpot * (n_out - 1))
+        reply.headers.update(headers)
+        return reply
 
     @staticmethod
     def _stream(

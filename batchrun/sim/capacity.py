@@ -1,0 +1,133 @@
+"""A continuous-batching server's capacity, and a hosted API's rate limits, for the simulator.
+
+Like vLLM with `max_num_seqs` slots: a request decodes in a slot; with more sequences in the batch
+each token takes longer; past the slots, requests wait in a queue, so their time to first token
+grows with it; optionally a gate refuses requests past a queue length (429 or 503). Like a hosted
+API: requests and tokens per minute over a sliding window, announced in `x-ratelimit-*` headers.
+
+The schedule is planned when a request arrives (when it gets a slot, how fast it decodes), from
+an injected clock, so the model stays a pure function of its inputs and the time.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+WINDOW_S = 60.0
+
+
+@dataclass(frozen=True)
+class Admission:
+    queue_wait: float  # seconds before the request gets a slot
+    tpot_factor: float  # >= 1: each token takes this much longer in a fuller batch
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    status: int
+    retry_after: float
+    message: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class Capacity:
+    def __init__(
+        self,
+        *,
+        slots: int | None = None,
+        tpot_slope: float = 0.0,
+        queue_limit: int | None = None,
+        gate_status: int = 429,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        clock: Callable[[], float],
+    ) -> None:
+        self.slots = slots
+        self.tpot_slope = tpot_slope
+        self.queue_limit = queue_limit
+        self.gate_status = gate_status
+        self.rpm = rpm
+        self.tpm = tpm
+        self.clock = clock
+        self._ends: list[float] = []  # when each busy slot frees up (a heap)
+        self._starts: list[float] = []  # planned starts still in the future: the queue (a heap)
+        self._requests: deque[float] = deque()  # arrival times in the rate window
+        self._tokens: deque[tuple[float, int]] = deque()
+        self._token_sum = 0
+
+    def admit(
+        self, *, prompt_tokens: int, n_out: int, ttft: float, tpot: float
+    ) -> Admission | Refusal:
+        now = self.clock()
+        headers = self._rate_headers(now, prompt_tokens + n_out)
+        refusal = self._rate_refusal(now, prompt_tokens + n_out, headers)
+        if refusal is not None:
+            return refusal
+        if self.slots is None:
+            self._count(now, prompt_tokens + n_out)
+            return Admission(0.0, 1.0, headers)
+        while self._ends and self._ends[0] <= now:
+            heapq.heappop(self._ends)
+        while self._starts and self._starts[0] <= now:
+            heapq.heappop(self._starts)
+        full = len(self._ends) >= self.slots
+        if full and self.queue_limit is not None and len(self._starts) >= self.queue_limit:
+            wait = self._starts[0] - now  # when the first waiting request gets a slot
+            return Refusal(self.gate_status, wait, "server busy: queue full (simulated)", headers)
+        start = heapq.heappop(self._ends) if full else now
+        active = min(self.slots, len(self._ends) + 1)
+        factor = 1.0 + self.tpot_slope * (active - 1) / self.slots
+        heapq.heappush(self._ends, start + ttft + tpot * factor * max(0, n_out - 1))
+        if start > now:
+            heapq.heappush(self._starts, start)
+        self._count(now, prompt_tokens + n_out)
+        return Admission(start - now, factor, headers)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot right now."""
+        now = self.clock()
+        return sum(1 for start in self._starts if start > now)
+
+    # --- hosted-API limits ------------------------------------------------------------------
+
+    def _expire(self, now: float) -> None:
+        while self._requests and self._requests[0] <= now - WINDOW_S:
+            self._requests.popleft()
+        while self._tokens and self._tokens[0][0] <= now - WINDOW_S:
+            self._token_sum -= self._tokens.popleft()[1]
+
+    def _count(self, now: float, tokens: int) -> None:
+        if self.rpm is not None:
+            self._requests.append(now)
+        if self.tpm is not None:
+            self._tokens.append((now, tokens))
+            self._token_sum += tokens
+
+    def _rate_headers(self, now: float, tokens: int) -> dict[str, str]:
+        self._expire(now)
+        headers: dict[str, str] = {}
+        if self.rpm is not None:
+            reset = self._requests[0] + WINDOW_S - now if self._requests else 0.0
+            headers["x-ratelimit-limit-requests"] = str(self.rpm)
+            headers["x-ratelimit-remaining-requests"] = str(max(0, self.rpm - len(self._requests)))
+            headers["x-ratelimit-reset-requests"] = f"{reset:.3f}s"
+        if self.tpm is not None:
+            reset = self._tokens[0][0] + WINDOW_S - now if self._tokens else 0.0
+            headers["x-ratelimit-limit-tokens"] = str(self.tpm)
+            headers["x-ratelimit-remaining-tokens"] = str(max(0, self.tpm - self._token_sum))
+            headers["x-ratelimit-reset-tokens"] = f"{reset:.3f}s"
+        return headers
+
+    def _rate_refusal(self, now: float, tokens: int, headers: dict[str, str]) -> Refusal | None:
+        if self.rpm is not None and len(self._requests) >= self.rpm:
+            wait = self._requests[0] + WINDOW_S - now
+            return Refusal(429, wait, "rate limit: requests per minute (simulated)", headers)
+        if self.tpm is not None and self._tokens and self._token_sum + tokens > self.tpm:
+            wait = self._tokens[0][0] + WINDOW_S - now
+            return Refusal(429, wait, "rate limit: tokens per minute (simulated)", headers)
+        return None
