@@ -1,0 +1,184 @@
+"""Adaptive concurrency and client-side rate limits, as pure objects fed with observations.
+
+The controller does what a serving engineer does by hand: start low, double the number of
+requests in flight while output throughput keeps growing and time to first token (the server's
+queueing signal) stays near its unloaded value, and settle at the knee, the last limit that still
+bought throughput. Overload signals (429, 503, timeouts) cut the limit multiplicatively and pause
+until the server's Retry-After. Now and then it probes a little higher, since servers change load.
+
+Nothing here does I/O or reads a clock: callers pass `now`, so every decision is unit-testable
+with synthetic observation streams.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+RAMP_GROWTH = 1.10  # a window must beat the best throughput by 10% to keep ramping
+PROBE_GROWTH = 1.05  # a probe is kept if it buys 5% more throughput
+LATENCY_KNEE = 2.0  # p50 TTFT above 2x the unloaded value: requests are queueing
+LATENCY_BACKOFF = 3.0  # p50 TTFT above 3x the unloaded value in steady state: back off
+OVERLOAD_CUT = 0.5
+LATENCY_CUT = 0.8
+PROBE_STEP = 1.25
+PROBE_EVERY = 8  # steady windows between probes
+
+
+@dataclass
+class _Window:
+    started: float
+    tokens: int = 0
+    done: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    overloads: int = 0
+    retry_after: float = 0.0
+
+    def p50_ttft(self) -> float | None:
+        if not self.ttfts:
+            return None
+        ordered = sorted(self.ttfts)
+        return ordered[len(ordered) // 2]
+
+
+@dataclass(frozen=True)
+class Change:
+    limit: int
+    reason: str  # ramp | knee | probe | probe kept | probe reverted | latency | back-off
+
+
+class ConcurrencyController:
+    def __init__(self, *, initial: int = 2, minimum: int = 1, maximum: int = 256) -> None:
+        if not 1 <= minimum <= maximum:
+            raise ValueError("need 1 <= minimum <= maximum")
+        self.minimum = minimum
+        self.maximum = maximum
+        self.limit = max(minimum, min(initial, maximum))
+        self.phase = "ramp"
+        self.pause_until = 0.0
+        self.unloaded_ttft: float | None = None
+        self.history: list[tuple[float, Change]] = []
+        self._best = (0.0, self.limit)  # (tokens/s, limit) of the best window so far
+        self._window: _Window | None = None
+        self._steady_windows = 0
+        self._steady_tps = 0.0
+        self._before_probe = self.limit
+
+    # --- feeding it ---------------------------------------------------------------------------
+
+    def completed(self, now: float, *, tokens: int, ttft: float | None) -> Change | None:
+        """A request finished: its output tokens and time to first token."""
+        window = self._open(now)
+        window.done += 1
+        window.tokens += tokens
+        if ttft is not None:
+            window.ttfts.append(ttft)
+        return self._maybe_close(now)
+
+    def overloaded(self, now: float, *, retry_after: float | None = None) -> Change | None:
+        """A 429, 503 or timeout: the server has too much. Cut at once, pause if asked to."""
+        self._open(now).overloads += 1
+        if retry_after:
+            self.pause_until = max(self.pause_until, now + retry_after)
+        new = max(self.minimum, math.floor(self.limit * OVERLOAD_CUT))
+        self.phase = "steady"
+        self._steady_windows = 0
+        self._window = _Window(started=now)  # judge the new limit on fresh evidence
+        return self._set(now, new, "back-off")
+
+    # --- deciding -----------------------------------------------------------------------------
+
+    def _open(self, now: float) -> _Window:
+        if self._window is None:
+            self._window = _Window(started=now)
+        return self._window
+
+    def _maybe_close(self, now: float) -> Change | None:
+        window = self._window
+        assert window is not None
+        if window.done < max(8, self.limit) or now <= window.started:
+            return None
+        self._window = _Window(started=now)
+        tps = window.tokens / (now - window.started)
+        p50 = window.p50_ttft()
+        if p50 is not None and (self.unloaded_ttft is None or p50 < self.unloaded_ttft):
+            self.unloaded_ttft = p50
+        queueing = (
+            p50 is not None
+            and self.unloaded_ttft is not None
+            and (p50 > LATENCY_KNEE * self.unloaded_ttft)
+        )
+        if self.phase == "ramp":
+            return self._ramp(now, tps, queueing)
+        return self._steady(now, tps, p50)
+
+    def _ramp(self, now: float, tps: float, queueing: bool) -> Change | None:
+        best_tps, best_limit = self._best
+        if tps >= best_tps * RAMP_GROWTH and not queueing:
+            self._best = (tps, self.limit)
+            if self.limit >= self.maximum:
+                self.phase = "steady"
+                return None
+            return self._set(now, min(self.maximum, self.limit * 2), "ramp")
+        self.phase = "steady"
+        self._steady_tps = max(tps, best_tps)
+        return self._set(now, best_limit, "knee")
+
+    def _steady(self, now: float, tps: float, p50: float | None) -> Change | None:
+        unloaded = self.unloaded_ttft
+        if self.phase == "probe":
+            self.phase = "steady"
+            self._steady_windows = 0
+            if tps >= self._steady_tps * PROBE_GROWTH and not (
+                p50 is not None and unloaded is not None and p50 > LATENCY_KNEE * unloaded
+            ):
+                self._steady_tps = tps
+                return self._set(now, self.limit, "probe kept")
+            return self._set(now, self._before_probe, "probe reverted")
+        self._steady_tps = 0.7 * self._steady_tps + 0.3 * tps if self._steady_tps else tps
+        if p50 is not None and unloaded is not None and p50 > LATENCY_BACKOFF * unloaded:
+            new = max(self.minimum, math.floor(self.limit * LATENCY_CUT))
+            return self._set(now, new, "latency")
+        self._steady_windows += 1
+        if self._steady_windows >= PROBE_EVERY and self.limit < self.maximum:
+            self._before_probe = self.limit
+            self.phase = "probe"
+            return self._set(now, min(self.maximum, math.ceil(self.limit * PROBE_STEP)), "probe")
+        return None
+
+    def _set(self, now: float, limit: int, reason: str) -> Change | None:
+        if limit == self.limit and reason not in ("probe kept",):
+            return None
+        self.limit = limit
+        change = Change(limit, reason)
+        self.history.append((now, change))
+        return change
+
+
+class TokenBucket:
+    """Client-side pacing for requests or tokens per minute: `take` says how long to wait."""
+
+    def __init__(self, per_minute: float, *, burst: float | None = None) -> None:
+        if per_minute <= 0:
+            raise ValueError("per_minute must be positive")
+        self.rate = per_minute / 60.0
+        self.capacity = burst if burst is not None else per_minute / 60.0 * 5  # 5 s of burst
+        self.level = self.capacity
+        self.updated: float | None = None
+
+    def _refill(self, now: float) -> None:
+        if self.updated is not None:
+            self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+        self.updated = now
+
+    def take(self, now: float, amount: float = 1.0) -> float:
+        """Spend `amount` (a request, or its estimated tokens); returns the seconds to wait
+        before sending. The level may go negative: later callers wait for the debt."""
+        self._refill(now)
+        self.level -= amount
+        return 0.0 if self.level >= 0 else -self.level / self.rate
+
+    def correct(self, now: float, estimated: float, actual: float) -> None:
+        """Give back (or charge) the difference once the real usage is known."""
+        self._refill(now)
+        self.level = min(self.capacity, self.level + estimated - actual)

@@ -1,0 +1,152 @@
+"""The concurrency controller against synthetic servers, and the token buckets. No I/O, no clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchrun.limiter import ConcurrencyController, TokenBucket
+
+
+class Server:
+    """A continuous-batching server in closed form: `slots` sequences decode at once, each
+    token slower as the batch fills; requests beyond the slots queue for the next free slot."""
+
+    def __init__(self, slots: int, ttft: float = 0.1, tpot: float = 0.02, slope: float = 0.5,
+                 tokens: int = 40) -> None:  # fmt: skip
+        self.slots, self.ttft, self.tpot, self.slope, self.tokens = slots, ttft, tpot, slope, tokens
+
+    def service(self, limit: int) -> float:
+        active = min(limit, self.slots)
+        factor = 1 + self.slope * (active - 1) / self.slots
+        return self.ttft + self.tpot * factor * (self.tokens - 1)
+
+    def requests_per_s(self, limit: int) -> float:
+        return min(limit, self.slots) / self.service(limit)
+
+    def ttft_at(self, limit: int) -> float:
+        queued = max(0, limit - self.slots)
+        return self.ttft + queued / self.requests_per_s(limit)
+
+
+def drive(ctl: ConcurrencyController, server: Server, windows: int, now: float = 0.0) -> float:
+    """Feed `windows` windows of completions at the controller's current limit."""
+    for _ in range(windows):
+        limit = ctl.limit
+        n = max(8, limit)
+        gap = 1 / server.requests_per_s(limit)
+        for _ in range(n):
+            now += gap
+            ctl.completed(now, tokens=server.tokens, ttft=server.ttft_at(limit))
+    return now
+
+
+@pytest.mark.parametrize("slots", [8, 64, 256])
+def test_ramps_from_low_and_settles_at_the_knee(slots: int) -> None:
+    ctl = ConcurrencyController(initial=2, maximum=1024)
+    drive(ctl, Server(slots), windows=60)
+    reasons = [c.reason for _, c in ctl.history]
+    assert reasons[0] == "ramp" and "knee" in reasons
+    assert slots <= ctl.limit <= slots * 1.25  # the documented band: the knee, or one probe over
+    ramp_limits = [c.limit for _, c in ctl.history if c.reason == "ramp"]
+    assert ramp_limits == sorted(ramp_limits) and ramp_limits[0] == 4  # doubling from 2
+
+
+def test_throughput_at_the_settled_limit_is_near_the_best_possible() -> None:
+    server = Server(64)
+    ctl = ConcurrencyController(initial=1, maximum=1024)
+    drive(ctl, server, windows=60)
+    best = max(server.requests_per_s(n) for n in range(1, 1025))
+    assert server.requests_per_s(ctl.limit) >= 0.9 * best
+    assert server.ttft_at(ctl.limit) <= 3 * server.ttft  # not queueing
+
+
+def test_maximum_caps_the_ramp() -> None:
+    ctl = ConcurrencyController(initial=2, maximum=16)
+    drive(ctl, Server(256), windows=40)
+    assert ctl.limit == 16
+    assert max(c.limit for _, c in ctl.history) == 16
+
+
+def test_429_cuts_at_once_and_pauses_until_retry_after() -> None:
+    ctl = ConcurrencyController(initial=2, maximum=1024)
+    now = drive(ctl, Server(64), windows=30)
+    settled = ctl.limit
+    change = ctl.overloaded(now, retry_after=7.0)
+    assert change is not None and change.reason == "back-off"
+    assert ctl.limit == settled // 2
+    assert ctl.pause_until == pytest.approx(now + 7.0)
+
+
+def test_a_burst_of_429s_floors_at_the_minimum_and_keeps_the_longest_pause() -> None:
+    ctl = ConcurrencyController(initial=64, minimum=1, maximum=1024)
+    for i in range(20):
+        ctl.overloaded(100.0 + i * 0.01, retry_after=5.0 if i != 3 else 30.0)
+    assert ctl.limit == 1
+    assert ctl.pause_until == pytest.approx(100.03 + 30.0)
+
+
+def test_recovers_after_overload_by_probing_back_up() -> None:
+    server = Server(64)
+    ctl = ConcurrencyController(initial=2, maximum=1024)
+    now = drive(ctl, server, windows=30)
+    for _ in range(3):
+        ctl.overloaded(now, retry_after=1.0)  # a short storm: limit 64 -> 8
+    assert ctl.limit <= 8
+    drive(ctl, server, windows=200, now=now + 1)
+    assert ctl.limit >= 48  # probes that buy throughput are kept
+    assert any(c.reason == "probe kept" for _, c in ctl.history)
+
+
+def test_backs_off_when_the_server_gets_busier() -> None:
+    ctl = ConcurrencyController(initial=2, maximum=1024)
+    server = Server(64)
+    now = drive(ctl, server, windows=30)
+    settled = ctl.limit
+    busier = Server(16)  # other tenants took most of the slots: TTFT climbs
+    drive(ctl, busier, windows=20, now=now)
+    assert ctl.limit < settled
+    assert any(c.reason == "latency" for _, c in ctl.history)
+
+
+def test_probes_that_do_not_help_are_reverted() -> None:
+    ctl = ConcurrencyController(initial=2, maximum=1024)
+    drive(ctl, Server(64), windows=120)
+    reasons = [c.reason for _, c in ctl.history]
+    assert reasons.count("probe") >= 2 and "probe reverted" in reasons
+
+
+def test_bad_bounds_are_refused() -> None:
+    with pytest.raises(ValueError):
+        ConcurrencyController(minimum=0)
+    with pytest.raises(ValueError):
+        ConcurrencyController(minimum=8, maximum=4)
+
+
+# --- token buckets ------------------------------------------------------------------------
+
+
+def test_bucket_allows_a_burst_then_paces_at_the_rate() -> None:
+    bucket = TokenBucket(60, burst=3)  # one a second, three at once
+    waits = [bucket.take(0.0) for _ in range(6)]
+    assert waits == pytest.approx([0, 0, 0, 1, 2, 3])
+
+
+def test_bucket_refills_over_time_up_to_its_burst() -> None:
+    bucket = TokenBucket(120, burst=2)  # two a second
+    assert bucket.take(0.0, 2) == 0
+    assert bucket.take(0.5) == 0  # one came back in half a second
+    assert bucket.take(100.0, 2) == 0  # full again, but never more than the burst
+    assert bucket.take(100.0) == pytest.approx(0.5)
+
+
+def test_token_estimates_are_corrected_by_actual_usage() -> None:
+    bucket = TokenBucket(600, burst=100)  # ten tokens a second
+    assert bucket.take(0.0, 100) == 0  # estimated: prompt + max_tokens
+    assert bucket.take(0.0, 50) == pytest.approx(5.0)
+    bucket.correct(0.0, estimated=100, actual=40)  # the first used 40: 60 come back
+    assert bucket.take(0.0, 10) == 0
+
+
+def test_bucket_rejects_a_zero_rate() -> None:
+    with pytest.raises(ValueError):
+        TokenBucket(0)
