@@ -85,7 +85,26 @@ RUN_OPTIONS: list[Callable[[F], F]] = [
     click.option("--api-key-env", help="NAME of the environment variable holding the API key."),
     click.option("--endpoint", type=click.Choice(["chat", "completions"]), help="[default: chat]"),
     click.option("--stream/--no-stream", default=None, help="Stream responses [default: on]."),
-    click.option("--concurrency", type=click.IntRange(min=1), help="Requests in flight [16]."),
+    click.option(
+        "--concurrency",
+        metavar="auto|N",
+        help="Requests in flight, or auto to find the server's knee [16].",
+    ),
+    click.option(
+        "--max-concurrency",
+        type=click.IntRange(min=1),
+        help="The most --concurrency auto may reach [256].",
+    ),
+    click.option(
+        "--rpm",
+        type=click.FloatRange(min=0, min_open=True),
+        help="Pace requests to this many a minute.",
+    ),
+    click.option(
+        "--tpm",
+        type=click.FloatRange(min=0, min_open=True),
+        help="Pace to this many tokens a minute (prompt estimate + max_tokens).",
+    ),
     click.option("--max-attempts", type=click.IntRange(min=1), help="Tries per item [5]."),
     click.option(
         "--timeout", type=click.FloatRange(min=0, min_open=True), help="Seconds per request [120]."

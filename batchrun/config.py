@@ -81,7 +81,10 @@ class RunSpec:
     api_key_env: str | None = None
     endpoint: str = "chat"
     stream: bool = True
-    concurrency: int = 16
+    concurrency: int | str = 16  # a number, or "auto": the adaptive controller in limiter.py
+    max_concurrency: int = 256  # the most "auto" may reach
+    rpm: float | None = None  # client-side pacing: requests per minute
+    tpm: float | None = None  # ... and tokens per minute (estimated, corrected by usage)
     max_attempts: int = 5
     timeout: float = 120.0
     outage_timeout: float = 60.0
@@ -95,6 +98,15 @@ class RunSpec:
     max_input_chars: int | None = None
     max_input_tokens: int | None = None
     sim_options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.concurrency == "auto"
+
+    @property
+    def most_in_flight(self) -> int:
+        """Requests that may ever be in flight at once: workers, connections, claims."""
+        return self.max_concurrency if isinstance(self.concurrency, str) else self.concurrency
 
     def request_defaults(self) -> dict[str, Any]:
         """Body fields every request gets unless its input line overrides them."""
@@ -124,6 +136,13 @@ def _coerce(name: str, value: Any) -> Any:
     kind = SPEC_FIELDS[name].type
     if value is None:
         return None
+    if name == "concurrency" and isinstance(value, str):
+        if value.strip().isdigit():
+            value = int(value)
+        elif value.strip().lower() == "auto":
+            return "auto"
+        else:
+            raise UsageError(f"--concurrency must be a number or auto, got {value!r}")
     checks: dict[str, tuple[type, ...]] = {
         "int": (int,),
         "float": (int, float),
@@ -192,8 +211,13 @@ def resolve(*layers: dict[str, Any]) -> RunSpec:
 def _validate(spec: RunSpec, preset: Preset) -> None:
     if spec.endpoint not in ENDPOINTS:
         raise UsageError(f"--endpoint must be chat or completions, got {spec.endpoint!r}")
-    if spec.concurrency < 1:
+    if isinstance(spec.concurrency, int) and spec.concurrency < 1:
         raise UsageError("--concurrency must be at least 1")
+    if spec.max_concurrency < 1:
+        raise UsageError("--max-concurrency must be at least 1")
+    for name in ("rpm", "tpm"):
+        if (getattr(spec, name) or 1) <= 0:
+            raise UsageError(f"--{name} must be positive")
     if spec.max_attempts < 1:
         raise UsageError("--max-attempts must be at least 1")
     if spec.timeout <= 0:

@@ -215,6 +215,11 @@ def estimate_tokens(chars: int) -> int:
     return -(-chars // 4)
 
 
+def prompt_chars(body: dict[str, Any]) -> int:
+    """Characters of prompt text in a request body."""
+    return sum(len(part) for part in _prompt_texts(body))
+
+
 def _prompt_texts(body: dict[str, Any]) -> list[str]:
     """Every piece of prompt text in a request: the prompt and all message contents."""
     parts: list[str] = []

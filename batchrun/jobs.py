@@ -179,7 +179,7 @@ def build_backend(spec: RunSpec, transport: Transport | None = None) -> Backend:
         timeout=spec.timeout,
         stream=spec.stream,
         stream_options=preset_for(spec).stream_options,
-        max_connections=max(spec.concurrency, 1),
+        max_connections=spec.most_in_flight,
         transport=transport,
     )
 
@@ -231,8 +231,8 @@ async def run_job(
     log = JobLog(home.log_path(name), name, redact=spec.redact)
     policy = RetryPolicy(
         spec.max_attempts,
-        OutageWatch(spec.outage_timeout, settings.outage_clock),
-        sleep=settings.retry_sleep,
+        OutageWatch(spec.outage_timeout, settings.clock),
+        sleep=settings.sleep,
     )
     try:
         try:
@@ -245,7 +245,7 @@ async def run_job(
         progress = Progress(
             total=sum(counts.values()),
             initial=done_before,
-            concurrency=spec.concurrency,
+            concurrency=spec.most_in_flight,  # the runner shows its own limit
             quiet=quiet,
         )
         runner = Runner(

@@ -14,6 +14,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from batchrun.backends.base import RateInfo
+from batchrun.errors import Overloaded, RateLimited, RequestError, RequestTimeout
+from batchrun.inputs import estimate_tokens, prompt_chars
 
 RAMP_GROWTH = 1.10  # a window must beat the best throughput by 10% to keep ramping
 PROBE_GROWTH = 1.05  # a probe is kept if it buys 5% more throughput
@@ -27,7 +32,7 @@ PROBE_EVERY = 8  # steady windows between probes
 
 @dataclass
 class _Window:
-    started: float
+    started: float | None = None  # the first completion it counts
     tokens: int = 0
     done: int = 0
     ttfts: list[float] = field(default_factory=list)
@@ -66,39 +71,47 @@ class ConcurrencyController:
 
     # --- feeding it ---------------------------------------------------------------------------
 
-    def completed(self, now: float, *, tokens: int, ttft: float | None) -> Change | None:
-        """A request finished: its output tokens and time to first token."""
-        window = self._open(now)
+    def completed(
+        self, now: float, *, tokens: int, ttft: float | None, sent_at_limit: int | None = None
+    ) -> Change | None:
+        """A request finished: its output tokens and time to first token. Requests sent under
+        an earlier limit say nothing about this one and are left out."""
+        if sent_at_limit is not None and sent_at_limit != self.limit:
+            return None
+        window = self._open()
+        if window.started is None:
+            window.started = now  # rates are measured from the first completion on
+        else:
+            window.tokens += tokens
         window.done += 1
-        window.tokens += tokens
         if ttft is not None:
             window.ttfts.append(ttft)
         return self._maybe_close(now)
 
     def overloaded(self, now: float, *, retry_after: float | None = None) -> Change | None:
         """A 429, 503 or timeout: the server has too much. Cut at once, pause if asked to."""
-        self._open(now).overloads += 1
+        self._open().overloads += 1
         if retry_after:
             self.pause_until = max(self.pause_until, now + retry_after)
         new = max(self.minimum, math.floor(self.limit * OVERLOAD_CUT))
         self.phase = "steady"
         self._steady_windows = 0
-        self._window = _Window(started=now)  # judge the new limit on fresh evidence
+        self._window = None  # judge the new limit on fresh evidence
         return self._set(now, new, "back-off")
 
     # --- deciding -----------------------------------------------------------------------------
 
-    def _open(self, now: float) -> _Window:
+    def _open(self) -> _Window:
         if self._window is None:
-            self._window = _Window(started=now)
+            self._window = _Window()
         return self._window
 
     def _maybe_close(self, now: float) -> Change | None:
         window = self._window
-        assert window is not None
+        assert window is not None and window.started is not None
         if window.done < max(8, self.limit) or now <= window.started:
             return None
-        self._window = _Window(started=now)
+        self._window = None
         tps = window.tokens / (now - window.started)
         p50 = window.p50_ttft()
         if p50 is not None and (self.unloaded_ttft is None or p50 < self.unloaded_ttft):
@@ -150,6 +163,7 @@ class ConcurrencyController:
         if limit == self.limit and reason not in ("probe kept",):
             return None
         self.limit = limit
+        self._window = None
         change = Change(limit, reason)
         self.history.append((now, change))
         return change
@@ -182,3 +196,80 @@ class TokenBucket:
         """Give back (or charge) the difference once the real usage is known."""
         self._refill(now)
         self.level = min(self.capacity, self.level + estimated - actual)
+
+
+class Pacer:
+    """Everything that decides when the next request may go: the adaptive limit, a shared
+    pause (Retry-After, an exhausted `x-ratelimit` budget) and the --rpm/--tpm buckets.
+
+    Pure like the rest of this module: the runner passes `now`, sleeps for what `wait` says,
+    and applies the returned limit changes to its capacity limiter.
+    """
+
+    def __init__(
+        self,
+        controller: ConcurrencyController | None,
+        *,
+        rpm: float | None = None,
+        tpm: float | None = None,
+    ) -> None:
+        self.controller = controller
+        self.requests = TokenBucket(rpm) if rpm else None
+        self.tokens = TokenBucket(tpm) if tpm else None
+        self.pause_until = 0.0
+
+    def wait(self, now: float, estimated_tokens: int) -> float:
+        """Seconds to hold this request back; reserves its share of the buckets."""
+        pause = self.pause_until
+        if self.controller is not None:
+            pause = max(pause, self.controller.pause_until)
+        wait = max(0.0, pause - now)
+        if self.requests is not None:
+            wait = max(wait, self.requests.take(now))
+        if self.tokens is not None:
+            wait = max(wait, self.tokens.take(now, estimated_tokens))
+        return wait
+
+    def succeeded(
+        self, now: float, *, estimated_tokens: int, used_tokens: int | None,
+        output_tokens: int, ttft: float | None, rate: RateInfo | None, sent_at_limit: int,
+    ) -> Change | None:  # fmt: skip
+        if self.tokens is not None and used_tokens is not None:
+            self.tokens.correct(now, estimated_tokens, used_tokens)
+        if rate is not None:
+            self._respect(now, rate, estimated_tokens)
+        if self.controller is None:
+            return None
+        return self.controller.completed(
+            now, tokens=output_tokens, ttft=ttft, sent_at_limit=sent_at_limit
+        )
+
+    def failed(self, now: float, error: RequestError) -> Change | None:
+        """A failed attempt: 429s pause everyone; overload signals cut the adaptive limit."""
+        retry_after = getattr(error, "retry_after", None)
+        if isinstance(error, RateLimited) and retry_after:
+            self.pause_until = max(self.pause_until, now + retry_after)
+        overload = isinstance(error, (RateLimited, RequestTimeout)) or (
+            isinstance(error, Overloaded) and error.status == 503
+        )
+        if self.controller is None or not overload:
+            return None
+        return self.controller.overloaded(now, retry_after=retry_after)
+
+    def _respect(self, now: float, rate: RateInfo, estimated_tokens: int) -> None:
+        """Proactive pacing: when the server says its budget is spent, wait for its reset
+        instead of running into 429s."""
+        if rate.remaining_requests is not None and rate.remaining_requests <= 0:
+            self.pause_until = max(self.pause_until, now + (rate.reset_requests_s or 1.0))
+        if rate.remaining_tokens is not None and rate.remaining_tokens < estimated_tokens:
+            self.pause_until = max(self.pause_until, now + (rate.reset_tokens_s or 1.0))
+
+
+def estimate_request_tokens(body: dict[str, Any]) -> int:
+    """What a request may cost against a tokens-per-minute budget: its prompt (4 characters a
+    token) plus the most it may generate."""
+    limit = body.get("max_tokens") or body.get("max_completion_tokens") or DEFAULT_MAX_TOKENS
+    return estimate_tokens(prompt_chars(body)) + (limit if isinstance(limit, int) else 0)
+
+
+DEFAULT_MAX_TOKENS = 256  # assumed when a request does not say

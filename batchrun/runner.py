@@ -36,6 +36,7 @@ from batchrun.errors import (
     RequestError,
 )
 from batchrun.ledger import ClaimedItem, ItemResult, Ledger
+from batchrun.limiter import Change, ConcurrencyController, Pacer, estimate_request_tokens
 from batchrun.progress import JobLog, Progress, input_summary
 from batchrun.retry import OutageWatch, RetryPolicy, Sleep
 from batchrun.validate import SchemaCheck
@@ -66,8 +67,9 @@ class RunnerSettings:
     commit_interval: float = 0.2
     drain_timeout: float = 10.0
     busy_patience: float = 600.0  # how long to wait for another process's ledger lock
-    retry_sleep: Sleep = anyio.sleep
-    outage_clock: Callable[[], float] = time.monotonic
+    # Waiting and telling time, for retries, outages and pacing; tests pass fakes.
+    sleep: Sleep = anyio.sleep
+    clock: Callable[[], float] = time.monotonic
 
 
 class Runner:
@@ -94,9 +96,19 @@ class Runner:
         self.owner = uuid.uuid4().hex
         self.stats = RunStats()
         self.defaults = spec.request_defaults()
-        self.outage = OutageWatch(spec.outage_timeout, clock=self.settings.outage_clock)
-        self.policy = RetryPolicy(spec.max_attempts, self.outage, sleep=self.settings.retry_sleep)
+        self.outage = OutageWatch(spec.outage_timeout, clock=self.settings.clock)
+        self.policy = RetryPolicy(spec.max_attempts, self.outage, sleep=self.settings.sleep)
         self._db_lock = anyio.CapacityLimiter(1)
+        controller = (
+            ConcurrencyController(initial=2, maximum=spec.max_concurrency)
+            if spec.adaptive
+            else None
+        )
+        self.pacer = Pacer(controller, rpm=spec.rpm, tpm=spec.tpm)
+        self.limit = controller.limit if controller else spec.most_in_flight
+        self._slots = anyio.CapacityLimiter(self.limit)  # requests in flight, at most
+        if progress is not None:
+            progress.concurrency = self.limit
         self._stopping = anyio.Event()
         self._workers_scope: anyio.CancelScope | None = None
 
@@ -186,18 +198,20 @@ class Runner:
                 recorded=self.stats.recorded,
                 requests=self.stats.requests,
                 retries=self.stats.retries,
+                limit=self.limit,
                 aborted=self.stats.aborted,
                 interrupted=self.stats.interrupted,
                 elapsed_s=round(self.stats.elapsed, 3),
             )
 
     async def _run_workers(self, results_send: MemoryObjectSendStream[ItemResult]) -> None:
-        work_send, work_recv = anyio.create_memory_object_stream[ClaimedItem](self.spec.concurrency)
+        most = self.spec.most_in_flight
+        work_send, work_recv = anyio.create_memory_object_stream[ClaimedItem](most)
         async with anyio.create_task_group() as workers:
             self._workers_scope = workers.cancel_scope
             workers.start_soon(self._feeder, work_send)
             async with work_recv, results_send:
-                for _ in range(self.spec.concurrency):
+                for _ in range(most):
                     workers.start_soon(self._worker, work_recv.clone(), results_send.clone())
 
     async def _drain_on_stop(self) -> None:
@@ -217,7 +231,7 @@ class Runner:
                 return
 
     async def _feeder(self, send: ObjectSendStream[ClaimedItem]) -> None:
-        batch_size = max(8, min(256, self.spec.concurrency * 2))
+        batch_size = max(8, min(256, self.spec.most_in_flight * 2))
         last_line = 0  # within a run nothing behind this line becomes pending again
         async with send:
             while not self._stopping.is_set():
@@ -246,7 +260,8 @@ class Runner:
             async for item in work:
                 if self._stopping.is_set():
                     continue  # left running; released to pending when the run ends
-                result = await self._process(item)
+                async with self._slots:
+                    result = await self._process(item)
                 if result is not None:
                     results.send_nowait(result)  # unbounded: never drops a finished result
 
@@ -255,6 +270,7 @@ class Runner:
         body = {**self.defaults, **line_body}
         request = CompletionRequest(item.endpoint, body)
         summary = None if self.log.redact else input_summary(body)
+        estimate = estimate_request_tokens(body)
         attempts = 0
 
         def log_attempt(status: str, **fields: Any) -> None:
@@ -274,9 +290,14 @@ class Runner:
             self.stats.requests += 1
             if attempts > 1:
                 self.stats.retries += 1
+            wait = self.pacer.wait(self.settings.clock(), estimate)
+            if wait > 0:
+                await self.settings.sleep(wait)
+            sent_at_limit = self.limit
             try:
                 completion = await self.backend.complete(request)
             except RequestError as exc:
+                self._adjust(self.pacer.failed(self.settings.clock(), exc))
                 log_attempt(
                     "error",
                     http_status=exc.status,
@@ -292,6 +313,14 @@ class Runner:
                 completion_tokens=completion.completion_tokens,
                 finish_reason=completion.finish_reason,
             )
+            used = None
+            if completion.completion_tokens is not None:
+                used = (completion.prompt_tokens or 0) + completion.completion_tokens
+            self._adjust(self.pacer.succeeded(
+                self.settings.clock(), estimated_tokens=estimate, used_tokens=used,
+                output_tokens=completion.completion_tokens or 0, ttft=completion.ttft_s,
+                rate=completion.rate, sent_at_limit=sent_at_limit,
+            ))  # fmt: skip
             return completion
 
         try:
@@ -302,6 +331,16 @@ class Runner:
         except RequestError as exc:
             return ItemResult(line=item.line, status="failed", attempts=attempts, error=str(exc))
         return self._result(item, attempts, completion)
+
+    def _adjust(self, change: Change | None) -> None:
+        """Apply a new adaptive limit: to the capacity limiter, the progress bar and the log."""
+        if change is None:
+            return
+        self.limit = change.limit
+        self._slots.total_tokens = change.limit
+        if self.progress is not None:
+            self.progress.concurrency = change.limit
+        self.log.event("concurrency", limit=change.limit, reason=change.reason)
 
     def _result(self, item: ClaimedItem, attempts: int, c: Completion) -> ItemResult:
         status, parsed, error = "done", None, None

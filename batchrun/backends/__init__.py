@@ -1,6 +1,6 @@
 """Backends: the only code that imports httpx."""
 
-from batchrun.backends.base import Backend, Completion, CompletionRequest, Transport
+from batchrun.backends.base import Backend, Completion, CompletionRequest, RateInfo, Transport
 from batchrun.backends.openai_compat import ENDPOINT_PATHS, OpenAICompatBackend
 
 __all__ = [
@@ -9,5 +9,6 @@ __all__ = [
     "Completion",
     "CompletionRequest",
     "OpenAICompatBackend",
+    "RateInfo",
     "Transport",
 ]

@@ -17,6 +17,16 @@ class CompletionRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class RateInfo:
+    """What a hosted API says of its limits (`x-ratelimit-*`): what is left, and when it resets."""
+
+    remaining_requests: int | None = None
+    reset_requests_s: float | None = None
+    remaining_tokens: int | None = None
+    reset_tokens_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
     text: str
     finish_reason: str | None
@@ -24,6 +34,7 @@ class Completion:
     completion_tokens: int | None
     latency_s: float
     ttft_s: float | None  # time to the first non-empty content delta (streaming only)
+    rate: RateInfo | None = None  # the server's rate-limit headers, when it sends them
 
 
 class Backend(Protocol):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import email.utils
+import re
 import time
 from collections.abc import Mapping
 
 import orjson
 
+from batchrun.backends.base import RateInfo
 from batchrun.errors import (
     AuthFailed,
     BadRequest,
@@ -59,6 +61,47 @@ def retry_after(headers: Mapping[str, str], now: float | None = None) -> float |
     except (TypeError, ValueError):
         return None
     return max(0.0, when.timestamp() - (now if now is not None else time.time()))
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float | None:
+    """OpenAI/Groq style reset durations: "1s", "0.5s", "120ms", "6m0s", "1h2m3.5s"."""
+    text = text.strip()
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        pass
+    parts = _DURATION.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        return None
+    return sum(float(n) * _UNIT_S[u] for n, u in parts)
+
+
+def rate_info(headers: Mapping[str, str]) -> RateInfo | None:
+    """The `x-ratelimit-*` headers, if the server sent any."""
+    if not any(k.startswith("x-ratelimit-") for k in headers):
+        return None
+
+    def number(name: str) -> int | None:
+        value = headers.get(name)
+        try:
+            return int(float(value)) if value is not None else None
+        except ValueError:
+            return None
+
+    def duration(name: str) -> float | None:
+        value = headers.get(name)
+        return parse_duration(value) if value is not None else None
+
+    return RateInfo(
+        remaining_requests=number("x-ratelimit-remaining-requests"),
+        reset_requests_s=duration("x-ratelimit-reset-requests"),
+        remaining_tokens=number("x-ratelimit-remaining-tokens"),
+        reset_tokens_s=duration("x-ratelimit-reset-tokens"),
+    )
 
 
 def error_for_status(

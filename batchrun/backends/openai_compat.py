@@ -8,6 +8,7 @@ Every HTTP or transport failure leaves this module as a batchrun error type.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -16,7 +17,7 @@ import orjson
 
 from batchrun import __version__
 from batchrun.backends.base import Completion, CompletionRequest
-from batchrun.backends.errors_http import error_for_status
+from batchrun.backends.errors_http import error_for_status, rate_info
 from batchrun.errors import (
     BadRequest,
     ConnectionFailed,
@@ -113,9 +114,12 @@ class OpenAICompatBackend:
                         raise error_for_status(resp.status_code, resp.headers, content, url)
                     receiving = True
                     if "text/event-stream" in resp.headers.get("content-type", ""):
-                        return await self._read_stream(resp, request.endpoint, started)
-                    content = await resp.aread()
-                    return self._read_json(content, request.endpoint, started)
+                        completion = await self._read_stream(resp, request.endpoint, started)
+                    else:
+                        content = await resp.aread()
+                        completion = self._read_json(content, request.endpoint, started)
+                    rate = rate_info(resp.headers)
+                    return replace(completion, rate=rate) if rate else completion
         except (TimeoutError, httpx.TimeoutException):
             raise RequestTimeout(f"no complete answer within {self.timeout:g}s") from None
         except (httpx.RemoteProtocolError, httpx.ReadError) as exc:

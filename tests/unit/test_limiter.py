@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from batchrun.limiter import ConcurrencyController, TokenBucket
+from batchrun.backends import RateInfo
+from batchrun.limiter import ConcurrencyController, Pacer, TokenBucket, estimate_request_tokens
 
 
 class Server:
@@ -150,3 +151,57 @@ def test_token_estimates_are_corrected_by_actual_usage() -> None:
 def test_bucket_rejects_a_zero_rate() -> None:
     with pytest.raises(ValueError):
         TokenBucket(0)
+
+
+# --- the pacer: pauses, buckets and server headers ------------------------------------------
+
+
+def test_pacer_pauses_everyone_after_a_429_with_retry_after() -> None:
+    from batchrun.errors import RateLimited
+
+    pacer = Pacer(None)
+    assert pacer.failed(10.0, RateLimited("429", retry_after=4.0)) is None  # fixed: no change
+    assert pacer.wait(11.0, 100) == pytest.approx(3.0)
+    assert pacer.wait(14.5, 100) == 0
+
+
+def test_pacer_cuts_the_adaptive_limit_on_overload_only() -> None:
+    from batchrun.errors import Overloaded, RequestTimeout
+
+    pacer = Pacer(ConcurrencyController(initial=32, maximum=64))
+    assert pacer.failed(1.0, Overloaded("HTTP 500", status=500)) is None
+    change = pacer.failed(1.0, Overloaded("HTTP 503", status=503))
+    assert change is not None and change.limit == 16 and change.reason == "back-off"
+    assert pacer.failed(1.0, RequestTimeout("slow")) is not None
+
+
+def test_pacer_applies_rpm_and_tpm_buckets() -> None:
+    pacer = Pacer(None, rpm=60, tpm=600)
+    waits = [pacer.wait(0.0, 10) for _ in range(8)]
+    assert waits[:5] == [0, 0, 0, 0, 0]  # five seconds of burst at one a second
+    assert waits[5] == pytest.approx(1.0)
+
+
+def test_pacer_waits_for_the_servers_reset_when_its_budget_is_spent() -> None:
+    pacer = Pacer(None)
+    spent = RateInfo(remaining_requests=0, reset_requests_s=2.5)
+    pacer.succeeded(5.0, estimated_tokens=10, used_tokens=8, output_tokens=4, ttft=0.1,
+                    rate=spent, sent_at_limit=1)  # fmt: skip
+    assert pacer.wait(5.0, 10) == pytest.approx(2.5)
+    low_tokens = RateInfo(remaining_tokens=5, reset_tokens_s=1.0)
+    pacer.succeeded(10.0, estimated_tokens=10, used_tokens=8, output_tokens=4, ttft=0.1,
+                    rate=low_tokens, sent_at_limit=1)  # fmt: skip
+    assert pacer.wait(10.0, 10) == pytest.approx(1.0)
+
+
+def test_completions_sent_under_an_old_limit_are_ignored() -> None:
+    ctl = ConcurrencyController(initial=4)
+    for i in range(20):
+        assert ctl.completed(float(i), tokens=10, ttft=0.1, sent_at_limit=2) is None
+    assert ctl.limit == 4 and not ctl.history
+
+
+def test_estimated_request_tokens() -> None:
+    body = {"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 50}
+    assert estimate_request_tokens(body) == 150
+    assert estimate_request_tokens({"prompt": "abcd"}) == 1 + 256

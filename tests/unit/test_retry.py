@@ -301,7 +301,7 @@ def test_outage_start_is_first_failure_and_check_uses_grace() -> None:
         watch.check()
 
 
-def test_success_restarts_outage_clock() -> None:
+def test_success_restarts_clock() -> None:
     clock = FakeTime(start=0.0)
     watch = OutageWatch(60.0, clock=clock)
     watch.failure(ConnectionFailed("down"), key=1)

@@ -86,7 +86,7 @@ async def run(
     spec = resolve({"backend": "sim", "concurrency": 4, "max_attempts": 3, **options})
     jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
     fake = fake or FakeTime()
-    settings = RunnerSettings(retry_sleep=fake.sleep, outage_clock=fake.clock, drain_timeout=0.0)
+    settings = RunnerSettings(sleep=fake.sleep, clock=fake.clock, drain_timeout=0.0)
     stats = await jobs.run_job(
         ledger,
         home,
