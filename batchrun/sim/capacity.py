@@ -76,7 +76,8 @@ class Capacity:
             heapq.heappop(self._starts)
         full = len(self._ends) >= self.slots
         if full and self.queue_limit is not None and len(self._starts) >= self.queue_limit:
-            wait = self._starts[0] - now  # when the first waiting request gets a slot
+            # when the first waiting request gets a slot; with no queue allowed, the first end
+            wait = (self._starts[0] if self._starts else self._ends[0]) - now
             return Refusal(self.gate_status, wait, "server busy: queue full (simulated)", headers)
         start = heapq.heappop(self._ends) if full else now
         active = min(self.slots, len(self._ends) + 1)

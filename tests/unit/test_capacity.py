@@ -112,3 +112,12 @@ def test_the_model_plays_queueing_and_refusals_as_replies() -> None:
     assert second.headers["x-ratelimit-remaining-requests"] == "99"
     assert third.status == 429 and int(third.headers["retry-after"]) >= 1
     assert "queue full" in orjson.loads(third.body)["error"]["message"]
+
+
+def test_a_gate_with_no_queue_refuses_everything_past_the_slots() -> None:
+    cap = Capacity(slots=2, queue_limit=0, clock=Clock())
+    admit(cap)
+    admit(cap)
+    refused = cap.admit(prompt_tokens=5, n_out=11, ttft=0.1, tpot=0.01)
+    assert isinstance(refused, Refusal) and refused.status == 429
+    assert refused.retry_after == pytest.approx(0.2)  # when the first slot frees
