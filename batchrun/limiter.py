@@ -88,11 +88,18 @@ class ConcurrencyController:
             window.ttfts.append(ttft)
         return self._maybe_close(now)
 
-    def overloaded(self, now: float, *, retry_after: float | None = None) -> Change | None:
-        """A 429, 503 or timeout: the server has too much. Cut at once, pause if asked to."""
-        self._open().overloads += 1
+    def overloaded(
+        self, now: float, *, retry_after: float | None = None, sent_at_limit: int | None = None
+    ) -> Change | None:
+        """A 429, 503 or timeout: the server has too much. Cut at once, pause if asked to.
+
+        One cut per episode: refusals of requests sent before the last cut are the same
+        overload seen again (a burst of 429s is one signal, not thirty halvings)."""
         if retry_after:
             self.pause_until = max(self.pause_until, now + retry_after)
+        if sent_at_limit is not None and sent_at_limit != self.limit:
+            return None
+        self._open().overloads += 1
         new = max(self.minimum, math.floor(self.limit * OVERLOAD_CUT))
         self.phase = "steady"
         self._steady_windows = 0
@@ -244,7 +251,9 @@ class Pacer:
             now, tokens=output_tokens, ttft=ttft, sent_at_limit=sent_at_limit
         )
 
-    def failed(self, now: float, error: RequestError) -> Change | None:
+    def failed(
+        self, now: float, error: RequestError, *, sent_at_limit: int | None = None
+    ) -> Change | None:
         """A failed attempt: 429s pause everyone; overload signals cut the adaptive limit."""
         retry_after = getattr(error, "retry_after", None)
         if isinstance(error, RateLimited) and retry_after:
@@ -254,7 +263,7 @@ class Pacer:
         )
         if self.controller is None or not overload:
             return None
-        return self.controller.overloaded(now, retry_after=retry_after)
+        return self.controller.overloaded(now, retry_after=retry_after, sent_at_limit=sent_at_limit)
 
     def _respect(self, now: float, rate: RateInfo, estimated_tokens: int) -> None:
         """Proactive pacing: when the server says its budget is spent, wait for its reset

@@ -297,7 +297,8 @@ class Runner:
             try:
                 completion = await self.backend.complete(request)
             except RequestError as exc:
-                self._adjust(self.pacer.failed(self.settings.clock(), exc))
+                now = self.settings.clock()
+                self._adjust(self.pacer.failed(now, exc, sent_at_limit=sent_at_limit))
                 log_attempt(
                     "error",
                     http_status=exc.status,

@@ -205,3 +205,12 @@ def test_estimated_request_tokens() -> None:
     body = {"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 50}
     assert estimate_request_tokens(body) == 150
     assert estimate_request_tokens({"prompt": "abcd"}) == 1 + 256
+
+
+def test_a_burst_of_refusals_of_one_episode_cuts_once() -> None:
+    ctl = ConcurrencyController(initial=128, maximum=1024)
+    changes = [ctl.overloaded(5.0, retry_after=1.0, sent_at_limit=128) for _ in range(30)]
+    assert [c.limit for c in changes if c is not None] == [64]
+    assert ctl.limit == 64  # the 29 others were requests sent before the cut
+    later = ctl.overloaded(9.0, sent_at_limit=64)  # a new episode at the new limit
+    assert later is not None and later.limit == 32
