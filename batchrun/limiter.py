@@ -23,6 +23,7 @@ from batchrun.inputs import estimate_tokens, prompt_chars
 RAMP_GROWTH = 1.10  # a window must beat the best throughput by 10% to keep ramping
 PROBE_GROWTH = 1.05  # a probe is kept if it buys 5% more throughput
 LATENCY_KNEE = 2.0  # p50 TTFT above 2x the unloaded value: requests are queueing
+LATENCY_EASE = 1.5  # above 1.5x while ramping: the knee is near, grow by 25% instead of 2x
 LATENCY_BACKOFF = 3.0  # p50 TTFT above 3x the unloaded value in steady state: back off
 OVERLOAD_CUT = 0.5
 LATENCY_CUT = 0.8
@@ -68,6 +69,8 @@ class ConcurrencyController:
         self._steady_windows = 0
         self._steady_tps = 0.0
         self._before_probe = self.limit
+        self._settling = False  # the first window after a change only lets the queue settle
+        self._slow_windows = 0  # consecutive steady windows over the latency back-off line
 
     # --- feeding it ---------------------------------------------------------------------------
 
@@ -119,27 +122,27 @@ class ConcurrencyController:
         if window.done < max(8, self.limit) or now <= window.started:
             return None
         self._window = None
+        if self._settling:  # requests sent under this limit still queued behind older ones
+            self._settling = False
+            return None
         tps = window.tokens / (now - window.started)
         p50 = window.p50_ttft()
         if p50 is not None and (self.unloaded_ttft is None or p50 < self.unloaded_ttft):
             self.unloaded_ttft = p50
-        queueing = (
-            p50 is not None
-            and self.unloaded_ttft is not None
-            and (p50 > LATENCY_KNEE * self.unloaded_ttft)
-        )
+        ratio = p50 / self.unloaded_ttft if p50 is not None and self.unloaded_ttft else 1.0
         if self.phase == "ramp":
-            return self._ramp(now, tps, queueing)
+            return self._ramp(now, tps, ratio)
         return self._steady(now, tps, p50)
 
-    def _ramp(self, now: float, tps: float, queueing: bool) -> Change | None:
+    def _ramp(self, now: float, tps: float, ttft_ratio: float) -> Change | None:
         best_tps, best_limit = self._best
-        if tps >= best_tps * RAMP_GROWTH and not queueing:
+        if tps >= best_tps * RAMP_GROWTH and ttft_ratio <= LATENCY_KNEE:
             self._best = (tps, self.limit)
             if self.limit >= self.maximum:
                 self.phase = "steady"
                 return None
-            return self._set(now, min(self.maximum, self.limit * 2), "ramp")
+            step = 2.0 if ttft_ratio <= LATENCY_EASE else PROBE_STEP
+            return self._set(now, min(self.maximum, math.ceil(self.limit * step)), "ramp")
         self.phase = "steady"
         self._steady_tps = max(tps, best_tps)
         return self._set(now, best_limit, "knee")
@@ -156,7 +159,10 @@ class ConcurrencyController:
                 return self._set(now, self.limit, "probe kept")
             return self._set(now, self._before_probe, "probe reverted")
         self._steady_tps = 0.7 * self._steady_tps + 0.3 * tps if self._steady_tps else tps
-        if p50 is not None and unloaded is not None and p50 > LATENCY_BACKOFF * unloaded:
+        slow = p50 is not None and unloaded is not None and p50 > LATENCY_BACKOFF * unloaded
+        self._slow_windows = self._slow_windows + 1 if slow else 0
+        if self._slow_windows >= 2:  # twice in a row: not a passing burst
+            self._slow_windows = 0
             new = max(self.minimum, math.floor(self.limit * LATENCY_CUT))
             return self._set(now, new, "latency")
         self._steady_windows += 1
@@ -171,6 +177,7 @@ class ConcurrencyController:
             return None
         self.limit = limit
         self._window = None
+        self._settling = True
         change = Change(limit, reason)
         self.history.append((now, change))
         return change
