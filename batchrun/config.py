@@ -216,7 +216,8 @@ def _validate(spec: RunSpec, preset: Preset) -> None:
     if spec.max_concurrency < 1:
         raise UsageError("--max-concurrency must be at least 1")
     for name in ("rpm", "tpm"):
-        if (getattr(spec, name) or 1) <= 0:
+        value = getattr(spec, name)
+        if value is not None and value <= 0:
             raise UsageError(f"--{name} must be positive")
     if spec.max_attempts < 1:
         raise UsageError("--max-attempts must be at least 1")

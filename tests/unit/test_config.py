@@ -401,3 +401,25 @@ def test_switching_backend_on_resume_drops_the_old_presets_url_and_key_variable(
     assert switched.api_key_env is None
     kept = resolve(stored, {"concurrency": 4})
     assert kept.base_url == PRESETS["vllm"].base_url and kept.api_key_env == "VLLM_API_KEY"
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"), [("auto", "auto"), ("AUTO", "auto"), ("8", 8), (12, 12)]
+)
+def test_concurrency_is_a_number_or_auto(given: object, expected: object) -> None:
+    spec = resolve({"backend": "sim", "concurrency": given})
+    assert spec.concurrency == expected
+    assert spec.adaptive == (expected == "auto")
+    assert spec.most_in_flight == (spec.max_concurrency if expected == "auto" else expected)
+
+
+@pytest.mark.parametrize("given", ["fast", "0", 0, -3, True])
+def test_bad_concurrency_is_refused(given: object) -> None:
+    with pytest.raises(UsageError, match="concurrency"):
+        resolve({"backend": "sim", "concurrency": given})
+
+
+def test_rate_options_must_be_positive() -> None:
+    with pytest.raises(UsageError, match="rpm"):
+        resolve({"backend": "sim", "rpm": 0.0})
+    assert resolve({"backend": "sim", "tpm": 1000}).tpm == 1000.0
