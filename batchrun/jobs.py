@@ -24,7 +24,8 @@ from batchrun.ledger import IngestReport, Job, Ledger
 from batchrun.outputs import write_results
 from batchrun.progress import JobLog, Progress
 from batchrun.retry import OutageWatch, RetryPolicy
-from batchrun.runner import Runner, RunnerSettings, RunStats
+from batchrun.run_state import RunnerSettings, RunStats
+from batchrun.runner import Runner
 from batchrun.sim import SimConfig, SimModel, SimTransport
 from batchrun.sim.faults import check_rates
 from batchrun.validate import SchemaCheck, load_schema

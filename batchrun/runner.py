@@ -16,8 +16,8 @@ import contextlib
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -38,38 +38,13 @@ from batchrun.errors import (
 from batchrun.ledger import ClaimedItem, ItemResult, Ledger
 from batchrun.limiter import Change, ConcurrencyController, Pacer, estimate_request_tokens
 from batchrun.progress import JobLog, Progress, input_summary
-from batchrun.retry import OutageWatch, RetryPolicy, Sleep
+from batchrun.retry import OutageWatch, RetryPolicy
+from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.validate import SchemaCheck
 
 T = TypeVar("T")
 
 MAX_GROUP = 1000  # results per commit at most
-LEASE_TTL = 60.0  # a runner whose heartbeat is older than this is taken for dead
-
-
-@dataclass
-class RunStats:
-    reclaimed: int = 0
-    recorded: int = 0
-    by_status: dict[str, int] = field(default_factory=dict)
-    requests: int = 0
-    retries: int = 0
-    output_tokens: int = 0
-    started: float = field(default_factory=time.monotonic)
-    elapsed: float = 0.0
-    aborted: str | None = None  # the fatal error that stopped the job
-    interrupted: bool = False
-
-
-@dataclass(frozen=True)
-class RunnerSettings:
-    lease_ttl: float = LEASE_TTL
-    commit_interval: float = 0.2
-    drain_timeout: float = 10.0
-    busy_patience: float = 600.0  # how long to wait for another process's ledger lock
-    # Waiting and telling time, for retries, outages and pacing; tests pass fakes.
-    sleep: Sleep = anyio.sleep
-    clock: Callable[[], float] = time.monotonic
 
 
 class Runner:
@@ -107,6 +82,7 @@ class Runner:
         self.pacer = Pacer(controller, rpm=spec.rpm, tpm=spec.tpm)
         self.limit = controller.limit if controller else spec.most_in_flight
         self._slots = anyio.CapacityLimiter(self.limit)  # requests in flight, at most
+        self._limit_log: deque[tuple[float, int, str]] = deque(maxlen=20)
         if progress is not None:
             progress.concurrency = self.limit
         self._stopping = anyio.Event()
@@ -186,7 +162,9 @@ class Runner:
         """Give the job back (unfinished claims return to pending) and log the run's end."""
         back: int | None = None
         try:
-            back = await self._db(self.ledger.release, self.job, self.owner)
+            back = await self._db(
+                self.ledger.release, self.job, self.owner, limits=self._limits_json()
+            )
         except LedgerError:
             if not quiet_errors:
                 raise
@@ -224,7 +202,11 @@ class Runner:
         while True:
             await anyio.sleep(self.settings.lease_ttl / 3)
             held = await self._db(
-                self.ledger.heartbeat, self.job, self.owner, lease_ttl=self.settings.lease_ttl
+                self.ledger.heartbeat,
+                self.job,
+                self.owner,
+                lease_ttl=self.settings.lease_ttl,
+                limits=self._limits_json(),
             )
             if not held:  # we stalled past the lease and another runner took the job over
                 self._abort(JobBusy(f"another process took over job {self.job!r}"))
@@ -333,12 +315,17 @@ class Runner:
             return ItemResult(line=item.line, status="failed", attempts=attempts, error=str(exc))
         return self._result(item, attempts, completion)
 
+    def _limits_json(self) -> str | None:
+        """The adaptive limit's recent changes, for `status`; None when it never moved."""
+        return orjson.dumps(list(self._limit_log)).decode() if self._limit_log else None
+
     def _adjust(self, change: Change | None) -> None:
         """Apply a new adaptive limit: to the capacity limiter, the progress bar and the log."""
         if change is None:
             return
         self.limit = change.limit
         self._slots.total_tokens = change.limit
+        self._limit_log.append((round(time.time(), 3), change.limit, change.reason))
         if self.progress is not None:
             self.progress.concurrency = change.limit
         self.log.event("concurrency", limit=change.limit, reason=change.reason)

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 
 from batchrun.ledger import STATUSES, Job, Ledger, runner_alive
-from batchrun.runner import LEASE_TTL
+from batchrun.run_state import LEASE_TTL
 
 
 def _state(job: Job, counts: dict[str, int]) -> str:
@@ -40,6 +40,7 @@ def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
         "counts": counts,
         "endpoint": {k: spec.get(k) for k in ("backend", "base_url", "model", "endpoint")},
         "concurrency": spec.get("concurrency"),
+        "limit_history": orjson.loads(job.limit_history) if job.limit_history else [],
         "created_at": job.created_at,
         "finished_at": job.finished_at,
         "runner": {
@@ -80,6 +81,9 @@ def render_detail(d: dict[str, Any]) -> str:
         f"requests   {d['attempts']:,} attempts",
         f"latency    p50 {ms(lat['p50'])}, p95 {ms(lat['p95'])}, p99 {ms(lat['p99'])}",
     ]
+    if d["limit_history"]:
+        moves = ", ".join(f"{limit} ({reason})" for _t, limit, reason in d["limit_history"][-8:])
+        lines.append(f"limit      {d['concurrency']}: {moves}")
     if d["runner"]:
         r = d["runner"]
         lines.append(f"runner     pid {r['pid']} on {r['host']}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from sqlalchemy import Connection, Engine, select
+from sqlalchemy import Connection, Engine, inspect, select, text
 
 from batchrun.ledger.schema import items, items_id_unique, jobs, schema_migrations
 
@@ -21,8 +21,15 @@ def _v1_initial(conn: Connection) -> None:
     items_id_unique.create(conn, checkfirst=True)
 
 
+def _v2_limit_history(conn: Connection) -> None:
+    # A blank ledger got the column from v1's current table definition; an older one did not.
+    if "limit_history" not in {c["name"] for c in inspect(conn).get_columns("jobs")}:
+        conn.execute(text("ALTER TABLE jobs ADD COLUMN limit_history TEXT"))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "initial jobs and items", _v1_initial),
+    (2, "jobs.limit_history for --concurrency auto", _v2_limit_history),
 ]
 
 

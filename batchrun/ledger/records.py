@@ -19,6 +19,7 @@ class Job:
     runner_pid: int | None
     runner_host: str | None
     runner_heartbeat: float | None
+    limit_history: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

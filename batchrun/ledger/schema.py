@@ -43,6 +43,8 @@ jobs = Table(
     Column("runner_pid", Integer),
     Column("runner_host", String(255)),
     Column("runner_heartbeat", Float),
+    # The adaptive concurrency's last changes, JSON [[epoch, limit, reason], ...] (migration 2).
+    Column("limit_history", Text),
 )
 
 items = Table(

@@ -186,14 +186,18 @@ class Ledger:
             ).rowcount
         return int(reclaimed)
 
-    def heartbeat(self, name: str, owner: str, *, lease_ttl: float) -> bool:
-        """Prove the runner is alive and extend its leases. False: another runner took over."""
+    def heartbeat(
+        self, name: str, owner: str, *, lease_ttl: float, limits: str | None = None
+    ) -> bool:
+        """Prove the runner is alive and extend its leases (and note the adaptive limit's
+        history, if given). False: another runner took over."""
         now = time.time()
+        extra = {"limit_history": limits} if limits is not None else {}
         with self._write("renewing leases") as conn:
             held = conn.execute(
                 update(jobs)
                 .where(jobs.c.name == name, jobs.c.runner_owner == owner)
-                .values(runner_heartbeat=now)
+                .values(runner_heartbeat=now, **extra)
             ).rowcount
             if not held:
                 return False
@@ -204,9 +208,10 @@ class Ledger:
             )
         return True
 
-    def release(self, name: str, owner: str) -> int:
+    def release(self, name: str, owner: str, *, limits: str | None = None) -> int:
         """Give the job up: unfinished claims go back to pending. Returns how many."""
         now = time.time()
+        extra = {"limit_history": limits} if limits is not None else {}
         with self._write("releasing the job") as conn:
             back = conn.execute(
                 update(items)
@@ -216,7 +221,13 @@ class Ledger:
             conn.execute(
                 update(jobs)
                 .where(jobs.c.name == name, jobs.c.runner_owner == owner)
-                .values(runner_owner=None, runner_pid=None, runner_heartbeat=None, updated_at=now)
+                .values(
+                    runner_owner=None,
+                    runner_pid=None,
+                    runner_heartbeat=None,
+                    updated_at=now,
+                    **extra,
+                )
             )
         return int(back)
 

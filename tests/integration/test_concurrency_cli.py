@@ -36,3 +36,17 @@ def test_auto_finds_the_knee_of_an_8_slot_server(
     assert max(limits_after_knee) <= 4 * SLOTS  # probes stay near the knee, never run away
     stopped = next(e for e in log if e["event"] == "run_stopped")
     assert SLOTS <= stopped["limit"] <= 3 * SLOTS
+    detail = json.loads(cli.run("status", "auto", "--json").stdout)
+    history = detail["limit_history"]
+    assert history and history[-1][1] == stopped["limit"]  # status shows where it ended
+    assert {reason for _t, _limit, reason in history} <= {
+        "ramp",
+        "knee",
+        "probe",
+        "probe kept",
+        "probe reverted",
+        "latency",
+        "back-off",
+    }
+    text = cli.run("status", "auto").stdout
+    assert "limit      auto:" in text

@@ -362,3 +362,29 @@ def test_a_runner_that_was_taken_over_claims_nothing(ledger: Ledger) -> None:
         conn.execute(text("UPDATE jobs SET runner_owner = 'new'"))
     assert ledger.claim("j", "stalled", 2, lease_ttl=60) == []
     assert [c.line for c in ledger.claim("j", "new", 10, lease_ttl=60)] == [3, 4, 5, 6]
+
+
+def test_migration_2_adds_limit_history_to_an_older_ledger(tmp_path: Path) -> None:
+    db = tmp_path / "old.db"
+    conn = sqlite3.connect(db)
+    conn.executescript(  # a ledger made before migration 2: jobs without limit_history
+        """
+        CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, name VARCHAR(100) NOT NULL,
+                                        applied_at FLOAT NOT NULL);
+        INSERT INTO schema_migrations VALUES (1, 'initial jobs and items', 0);
+        CREATE TABLE jobs (name VARCHAR(200) PRIMARY KEY, input_path TEXT NOT NULL,
+            input_digest VARCHAR(64) NOT NULL, spec TEXT NOT NULL, total INTEGER NOT NULL,
+            created_at FLOAT NOT NULL, updated_at FLOAT NOT NULL, finished_at FLOAT,
+            runner_owner VARCHAR(64), runner_pid INTEGER, runner_host VARCHAR(255),
+            runner_heartbeat FLOAT);
+        INSERT INTO jobs VALUES ('old', 'in.jsonl', 'd', '{}', 0, 0, 0, NULL, NULL, NULL,
+                                 NULL, NULL);
+        """
+    )
+    conn.close()
+    engine = make_engine(f"sqlite:///{db}")
+    assert migrate(engine) == 1  # only v2 ran
+    assert "limit_history" in {c["name"] for c in inspect(engine).get_columns("jobs")}
+    assert migrate(engine) == 0
+    job = Ledger(f"sqlite:///{db}").get_job("old")
+    assert job is not None and job.limit_history is None

@@ -18,7 +18,8 @@ from batchrun.config import resolve
 from batchrun.jobs import Home
 from batchrun.ledger import Ledger
 from batchrun.progress import JobLog
-from batchrun.runner import Runner, RunnerSettings, RunStats
+from batchrun.run_state import RunnerSettings, RunStats
+from batchrun.runner import Runner
 from batchrun.sim import SimModel, SimTransport, prompt_tag
 
 Handler = Callable[[httpx.Request, int], httpx.Response | None]

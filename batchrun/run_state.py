@@ -1,0 +1,38 @@
+"""What a run reports (RunStats) and what it can be tuned with (RunnerSettings)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+
+from batchrun.retry import Sleep
+
+LEASE_TTL = 60.0  # a runner whose heartbeat is older than this is taken for dead
+
+
+@dataclass
+class RunStats:
+    reclaimed: int = 0
+    recorded: int = 0
+    by_status: dict[str, int] = field(default_factory=dict)
+    requests: int = 0
+    retries: int = 0
+    output_tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+    elapsed: float = 0.0
+    aborted: str | None = None  # the fatal error that stopped the job
+    interrupted: bool = False
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    lease_ttl: float = LEASE_TTL
+    commit_interval: float = 0.2
+    drain_timeout: float = 10.0
+    busy_patience: float = 600.0  # how long to wait for another process's ledger lock
+    # Waiting and telling time, for retries, outages and pacing; tests pass fakes.
+    sleep: Sleep = anyio.sleep
+    clock: Callable[[], float] = time.monotonic
