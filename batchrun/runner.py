@@ -35,6 +35,7 @@ from batchrun.errors import (
     OutputError,
     RequestError,
 )
+from batchrun.inputs import estimate_tokens
 from batchrun.ledger import ClaimedItem, ItemResult, Ledger
 from batchrun.limiter import Change, ConcurrencyController, Pacer, estimate_request_tokens
 from batchrun.progress import JobLog, Progress, input_summary
@@ -301,7 +302,9 @@ class Runner:
                 used = (completion.prompt_tokens or 0) + completion.completion_tokens
             self._adjust(self.pacer.succeeded(
                 self.settings.clock(), estimated_tokens=estimate, used_tokens=used,
-                output_tokens=completion.completion_tokens or 0, ttft=completion.ttft_s,
+                # a server without usage still shows its throughput through the text length
+                output_tokens=completion.completion_tokens or estimate_tokens(len(completion.text)),
+                ttft=completion.ttft_s,
                 rate=completion.rate, sent_at_limit=sent_at_limit,
             ))  # fmt: skip
             return completion
