@@ -20,7 +20,7 @@ from batchrun.backends import Backend, OpenAICompatBackend, Transport
 from batchrun.config import RunSpec, preset_for, resolve
 from batchrun.errors import BatchrunError, EndpointDown, FatalError, RequestError, UsageError
 from batchrun.inputs import InputReader, file_digest
-from batchrun.ledger import IngestReport, Job, Ledger
+from batchrun.ledger import FINAL_STATUSES, IngestReport, Job, Ledger
 from batchrun.outputs import write_results
 from batchrun.progress import JobLog, Progress
 from batchrun.retry import OutageWatch, RetryPolicy
@@ -242,7 +242,7 @@ async def run_job(
             log.event("abort", error=str(exc), kind=type(exc).__name__)
             return RunStats(aborted=str(exc))
         counts = ledger.counts(name)
-        done_before = sum(counts[s] for s in ("done", "failed", "invalid", "rejected"))
+        done_before = sum(counts[s] for s in FINAL_STATUSES)
         progress = Progress(
             total=sum(counts.values()),
             initial=done_before,
@@ -326,9 +326,7 @@ def summary_line(
     name: str, counts: dict[str, int], stats: RunStats | None, output: Path | None
 ) -> str:
     parts = [f"job {name}:"] + [
-        f"{counts[s]} {s}"
-        for s in ("done", "failed", "invalid", "rejected", "pending")
-        if counts[s] or s == "done"
+        f"{counts[s]} {s}" for s in (*FINAL_STATUSES, "pending") if counts[s] or s == "done"
     ]
     text = " ".join(parts[:2]) + (", " + ", ".join(parts[2:]) if len(parts) > 2 else "")
     if stats is not None and stats.requests:
