@@ -333,7 +333,7 @@ def test_a_proper_surrogate_pair_is_fine(tmp_path: Path) -> None:
 # --- ids ------------------------------------------------------------------------------------------
 
 
-def _id_line(key: str, value: int) -> str:
+def _id_line(key: str, value: Any) -> str:
     if key == "id":
         line: dict[str, Any] = {"id": value, "prompt": "hi"}
     else:
@@ -379,15 +379,7 @@ def test_integer_ids_are_accepted_as_strings(tmp_path: Path, key: str, value: in
 )
 @pytest.mark.parametrize("key", ["id", "custom_id"])
 def test_non_integer_ids_are_bad_lines(tmp_path: Path, key: str, value: Any, kind: str) -> None:
-    if key == "id":
-        line: dict[str, Any] = {"id": value, "prompt": "hi"}
-    else:
-        line = {
-            "custom_id": value,
-            "url": "/v1/chat/completions",
-            "body": {"messages": [{"role": "user", "content": "hi"}]},
-        }
-    entry = bad(read_line(tmp_path, line))
+    entry = bad(read_line(tmp_path, _id_line(key, value)))
     assert key in entry.reason
     assert kind in entry.reason
 

@@ -72,21 +72,16 @@ def test_native_done_record_field_by_field(tmp_path: Path) -> None:
     assert isinstance(record["ttft_ms"], int)
 
 
+def unfinished_row(**overrides: Any) -> dict[str, Any]:
+    """A row with no answer (failed or rejected): every result field empty."""
+    empty = dict(output=None, parsed=None, finish_reason=None, prompt_tokens=None,
+                 completion_tokens=None, latency_ms=None, ttft_ms=None, meta=None)  # fmt: skip
+    return make_row(**{**empty, **overrides})
+
+
 def test_native_failed_record(tmp_path: Path) -> None:
-    row = make_row(
-        item_id="b2",
-        line=2,
-        status="failed",
-        output=None,
-        parsed=None,
-        finish_reason=None,
-        prompt_tokens=None,
-        completion_tokens=None,
-        latency_ms=None,
-        ttft_ms=None,
-        attempts=5,
-        error="503 Service Unavailable",
-        meta=None,
+    row = unfinished_row(
+        item_id="b2", line=2, status="failed", attempts=5, error="503 Service Unavailable"
     )
     path = tmp_path / "job.jsonl"
     write_results(path, [row])
@@ -116,20 +111,12 @@ def test_native_partial_usage_keeps_both_keys(tmp_path: Path) -> None:
 
 def test_native_rejected_and_invalid_rows(tmp_path: Path) -> None:
     rows = [
-        make_row(
+        unfinished_row(
             item_id="3",
             line=3,
             status="rejected",
-            output=None,
-            parsed=None,
-            finish_reason=None,
-            prompt_tokens=None,
-            completion_tokens=None,
-            latency_ms=None,
-            ttft_ms=None,
             attempts=0,
             error="'prompt' is empty",
-            meta=None,
             digest=None,
         ),
         make_row(
@@ -207,15 +194,7 @@ def test_openai_done_completions(tmp_path: Path) -> None:
 
 
 def test_openai_failed_row_has_no_response_and_an_error(tmp_path: Path) -> None:
-    row = make_row(
-        status="failed",
-        output=None,
-        parsed=None,
-        finish_reason=None,
-        prompt_tokens=None,
-        completion_tokens=None,
-        error="400 context length exceeded",
-    )
+    row = unfinished_row(status="failed", error="400 context length exceeded")
     path = tmp_path / "job.jsonl"
     write_results(path, [row], fmt="openai", model="m")
     (record,) = read_jsonl(path)
@@ -227,16 +206,7 @@ def test_openai_failed_row_has_no_response_and_an_error(tmp_path: Path) -> None:
 
 
 def test_openai_rejected_row_without_digest(tmp_path: Path) -> None:
-    row = make_row(
-        item_id="7",
-        line=7,
-        status="rejected",
-        output=None,
-        error=None,
-        digest=None,
-        prompt_tokens=None,
-        completion_tokens=None,
-    )
+    row = unfinished_row(item_id="7", line=7, status="rejected", error=None, digest=None)
     path = tmp_path / "job.jsonl"
     write_results(path, [row], fmt="openai")
     (record,) = read_jsonl(path)
