@@ -88,7 +88,7 @@ RUN_OPTIONS: list[Callable[[F], F]] = [
     click.option(
         "--concurrency",
         metavar="auto|N",
-        help="Requests in flight, or auto to find the server's knee [16].",
+        help="Requests in flight, or auto to find the server's knee [auto].",
     ),
     click.option(
         "--max-concurrency",

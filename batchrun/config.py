@@ -81,7 +81,7 @@ class RunSpec:
     api_key_env: str | None = None
     endpoint: str = "chat"
     stream: bool = True
-    concurrency: int | str = 16  # a number, or "auto": the adaptive controller in limiter.py
+    concurrency: int | str = "auto"  # "auto": the adaptive controller in limiter.py, or a number
     max_concurrency: int = 256  # the most "auto" may reach
     rpm: float | None = None  # client-side pacing: requests per minute
     tpm: float | None = None  # ... and tokens per minute (estimated, corrected by usage)

@@ -18,6 +18,7 @@ import orjson
 from batchrun import __version__
 from batchrun.backends.base import Completion, CompletionRequest
 from batchrun.backends.errors_http import error_for_status, rate_info
+from batchrun.backends.pool import ShardedTransport
 from batchrun.errors import (
     BadRequest,
     ConnectionFailed,
@@ -51,12 +52,10 @@ class OpenAICompatBackend:
         if api_key:
             headers["authorization"] = f"Bearer {api_key}"
         self._client = httpx.AsyncClient(
-            transport=transport,
+            # One httpx pool costs O(connections) per request: shard it (see pool.py).
+            transport=transport or ShardedTransport(max_connections),
             headers=headers,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-            limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
-            ),
         )
 
     async def aclose(self) -> None:
