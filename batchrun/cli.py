@@ -120,6 +120,23 @@ RUN_OPTIONS: list[Callable[[F], F]] = [
     click.option(
         "--schema", type=click.Path(dir_okay=False), help="JSON Schema the output must satisfy."
     ),
+    click.option(
+        "--guided/--no-guided",
+        default=None,
+        help="Send the schema for constrained decoding (response_format) [on].",
+    ),
+    click.option(
+        "--repair-attempts",
+        type=click.IntRange(min=0),
+        help="Re-ask with the validation error this many times before `invalid` [1].",
+    ),
+    click.option(
+        "--on-truncate",
+        type=click.Choice(["fail", "retry-longer"]),
+        help="An answer cut by max_tokens: keep it (invalid with a schema), or retry with "
+        "max_tokens doubled up to --max-tokens-cap [fail].",
+    ),
+    click.option("--max-tokens-cap", type=click.IntRange(min=1), help="See --on-truncate [4096]."),
     click.option("--redact", is_flag=True, default=None, help="Keep input text out of the log."),
     click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
 ]

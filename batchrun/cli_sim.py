@@ -5,14 +5,18 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from pathlib import Path
+from typing import Any
 
 import anyio
 import click
+import orjson
 
 from batchrun.cli_errors import errors_to_exit_codes
 from batchrun.errors import UsageError
 from batchrun.sim import SimConfig, SimModel, SimServer
 from batchrun.sim.faults import FAULT_KINDS, check_rates
+from batchrun.sim.json_answers import JSON_STYLES
 
 
 @click.command()
@@ -70,6 +74,23 @@ from batchrun.sim.faults import FAULT_KINDS, check_rates
     show_default=True,
     help="What a simulated 429 asks clients to wait.",
 )
+@click.option(
+    "--json-style",
+    "json_styles",
+    multiple=True,
+    metavar="STYLE=RATE",
+    help=f"Answer JSON in this style with this probability; STYLE is one of "
+    f"{', '.join(JSON_STYLES)} (the rest: valid). Requests with a schema get valid JSON.",
+)
+@click.option(
+    "--json-schema",
+    type=click.Path(dir_okay=False, exists=True),
+    help="The schema JSON answers follow when a request sends none.",
+)
+@click.option("--repair-fails", is_flag=True, help="Repair follow-ups get broken JSON again.")
+@click.option(
+    "--refuse-response-format", is_flag=True, help="Answer 400 to requests with response_format."
+)
 @errors_to_exit_codes
 def sim(
     host: str,
@@ -91,6 +112,10 @@ def sim(
     gate_status: str,
     rpm: int | None,
     tpm: int | None,
+    json_styles: tuple[str, ...],
+    json_schema: str | None,
+    repair_fails: bool,
+    refuse_response_format: bool,
 ) -> None:
     """Serve the built-in OpenAI-compatible simulator (synthetic outputs) until stopped.
 
@@ -108,7 +133,7 @@ def sim(
         max_output_tokens=max_output_tokens,
         models=models or ("sim-1",),
         strict_models=strict_models,
-        faults=_fault_rates(faults),
+        faults=_rates(faults, "--fault", FAULT_KINDS),
         fault_seed=fault_seed,
         retry_after_ms=retry_after_ms,
         slots=slots,
@@ -118,6 +143,10 @@ def sim(
         rpm=rpm,
         tpm=tpm,
         api_key=api_key,
+        json_styles=_rates(json_styles, "--json-style", JSON_STYLES),
+        json_schema=_schema(json_schema) if json_schema else None,
+        repair_fixes=not repair_fails,
+        refuse_response_format=refuse_response_format,
     )
     server = SimServer(SimModel(config))
 
@@ -133,8 +162,8 @@ def sim(
         raise UsageError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
 
 
-def _fault_rates(specs: tuple[str, ...]) -> dict[str, float]:
-    """Parse repeated --fault KIND=RATE options."""
+def _rates(specs: tuple[str, ...], option: str, known: tuple[str, ...]) -> dict[str, float]:
+    """Parse repeated KIND=RATE options (--fault, --json-style)."""
     rates: dict[str, float] = {}
     for item in specs:
         kind, sep, rate = item.partition("=")
@@ -143,8 +172,18 @@ def _fault_rates(specs: tuple[str, ...]) -> dict[str, float]:
                 raise ValueError(item)
             rates[kind.strip()] = float(rate)
         except ValueError:
-            raise UsageError(f"--fault {item!r}: write KIND=RATE, e.g. 503=0.05") from None
+            raise UsageError(f"{option} {item!r}: write KIND=RATE, e.g. {known[0]}=0.05") from None
     try:
-        return check_rates(rates)
+        return check_rates(rates, known, option.lstrip("-"))
     except ValueError as exc:
-        raise UsageError(f"--fault: {exc}") from None
+        raise UsageError(f"{option}: {exc}") from None
+
+
+def _schema(path: str) -> dict[str, Any]:
+    try:
+        schema = orjson.loads(Path(path).read_bytes())
+    except (OSError, orjson.JSONDecodeError) as exc:
+        raise UsageError(f"--json-schema {path}: cannot read it as JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise UsageError(f"--json-schema {path}: must hold a JSON object")
+    return schema

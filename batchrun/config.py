@@ -17,6 +17,7 @@ from typing import Any
 from batchrun.errors import UsageError
 
 ENDPOINTS = ("chat", "completions")
+ON_TRUNCATE = ("fail", "retry-longer")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class Preset:
     api_key_env: str | None
     key_required: bool = False
     stream_options: bool = True  # accepts stream_options: {"include_usage": true}
+    # How it takes a JSON Schema for constrained decoding: response_format type "json_schema"
+    # (OpenAI, vLLM, SGLang, Groq, Ollama) or "json_object" with a "schema" (llama.cpp).
+    guided_style: str = "json_schema"
     note: str = ""
 
 
@@ -50,6 +54,7 @@ PRESETS: dict[str, Preset] = {
             "llamacpp",
             "http://127.0.0.1:8080/v1",
             "LLAMACPP_API_KEY",
+            guided_style="json_object",
             note="llama-server or python -m llama_cpp.server; serves one model",
         ),
         Preset(
@@ -92,6 +97,10 @@ class RunSpec:
     temperature: float | None = None
     top_p: float | None = None
     schema: str | None = None
+    guided: bool = True  # send the schema as response_format where the preset knows how
+    repair_attempts: int = 1  # follow-up requests that show an invalid answer its error
+    on_truncate: str = "fail"  # or "retry-longer": double max_tokens up to max_tokens_cap
+    max_tokens_cap: int = 4096
     skip_invalid: bool = False
     redact: bool = False
     max_line_bytes: int = 1_000_000
@@ -221,6 +230,12 @@ def _validate(spec: RunSpec, preset: Preset) -> None:
             raise UsageError(f"--{name} must be positive")
     if spec.max_attempts < 1:
         raise UsageError("--max-attempts must be at least 1")
+    if spec.repair_attempts < 0:
+        raise UsageError("--repair-attempts must be 0 or more")
+    if spec.on_truncate not in ON_TRUNCATE:
+        raise UsageError(f"--on-truncate must be one of {', '.join(ON_TRUNCATE)}")
+    if spec.max_tokens_cap < 1:
+        raise UsageError("--max-tokens-cap must be at least 1")
     if spec.timeout <= 0:
         raise UsageError("--timeout must be positive")
     if preset.key_required and spec.api_key() is None:

@@ -17,6 +17,7 @@ from typing import IO, Any, NamedTuple
 import orjson
 
 from batchrun.errors import UsageError
+from batchrun.validate import response_format, schema_of, schema_problem
 
 # Top-level fields of a prompt/messages line that are request parameters rather than meta.
 REQUEST_FIELDS = frozenset(
@@ -47,6 +48,7 @@ REQUEST_FIELDS = frozenset(
     }
 )
 _PLAIN_KEYS = frozenset({"id", "prompt", "messages"})
+SCHEMA_KEY = "schema"  # a line's own JSON Schema for its answer: shorthand for response_format
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 BOM = b"\xef\xbb\xbf"
 _READ_CHUNK = 1 << 16
@@ -109,6 +111,7 @@ class InputReader:
         self.max_input_chars = max_input_chars
         self.max_input_tokens = max_input_tokens
         self.stats = ReadStats()
+        self._good_schemas: set[bytes] = set()
 
     def __iter__(self) -> Iterator[InputItem | BadLine]:
         try:
@@ -176,6 +179,8 @@ class InputReader:
             endpoint, body, item_id, meta = _plain_shape(obj, self.endpoint)
         if item_id is None:
             item_id = str(number)
+        if "response_format" in body:
+            self._check_line_schema(body["response_format"])
         if may_hold_nul or self.max_input_chars is not None or self.max_input_tokens is not None:
             self._check_size(body)
         try:
@@ -188,6 +193,20 @@ class InputReader:
         else:  # the stored body already is the canonical form
             digest = hashlib.sha256(body_json).hexdigest()
         return InputItem(number, item_id, endpoint, body_json, digest, meta_json)
+
+    def _check_line_schema(self, fmt: Any) -> None:
+        """A schema sent with a line must be usable, or every answer to it would be invalid.
+        Checked once per distinct schema: lines of one job usually share it."""
+        schema = schema_of(fmt)
+        if schema is None:
+            return
+        key = orjson.dumps(schema, option=orjson.OPT_SORT_KEYS)
+        if key not in self._good_schemas:
+            problem = schema_problem(schema)
+            if problem is not None:
+                raise _LineProblem(f"its schema {problem}")
+            if len(self._good_schemas) < 1000:
+                self._good_schemas.add(key)
 
     def _check_size(self, body: dict[str, Any]) -> None:
         """Refuse prompts over the --max-input-* guards, and NUL characters, before anything is
@@ -311,6 +330,12 @@ def _plain_shape(
                 body[key] = value
             elif key not in _PLAIN_KEYS:
                 meta[key] = value
+    if SCHEMA_KEY in meta:
+        if "response_format" in body:
+            raise _LineProblem("has both 'schema' and 'response_format'; give one")
+        body["response_format"] = response_format("json_schema", meta.pop(SCHEMA_KEY))
+        if schema_of(body["response_format"]) is None:
+            raise _LineProblem("'schema' must be a JSON object (a JSON Schema)")
     if "messages" in obj:
         if "prompt" in obj:
             raise _LineProblem("has both 'prompt' and 'messages'; give one")

@@ -27,8 +27,10 @@ from batchrun.retry import OutageWatch, RetryPolicy
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.runner import Runner
 from batchrun.sim import SimConfig, SimModel, SimTransport
-from batchrun.sim.faults import check_rates
-from batchrun.validate import SchemaCheck, load_schema
+from batchrun.sim.faults import FAULT_KINDS, check_rates
+from batchrun.sim.json_answers import JSON_STYLES
+from batchrun.structured import OutputRules
+from batchrun.validate import load_schema
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 SIM_DEFAULTS: dict[str, Any] = {"ttft_ms": 20.0, "tpot_ms": 1.0}
@@ -164,10 +166,11 @@ def sim_config(spec: RunSpec) -> SimConfig:
             raise UsageError(f"sim_options: {key} must be {kind.__name__}, got {value!r}")
     if isinstance(options.get("models"), list):
         options["models"] = tuple(options["models"])
-    try:
-        check_rates(options.get("faults", {}))
-    except ValueError as exc:
-        raise UsageError(f"sim_options.faults: {exc}") from None
+    for key, known in (("faults", FAULT_KINDS), ("json_styles", JSON_STYLES)):
+        try:
+            check_rates(options.get(key, {}), known, key.rstrip("s").replace("_", " "))
+        except ValueError as exc:
+            raise UsageError(f"sim_options.{key}: {exc}") from None
     return SimConfig(**options)
 
 
@@ -226,7 +229,7 @@ async def run_job(
     handle_signals: bool = True,
 ) -> RunStats:
     """Run every item that is not final yet. Ctrl-C/SIGTERM stop it gracefully."""
-    schema = SchemaCheck(load_schema(spec.schema)) if spec.schema else None
+    rules = output_rules(spec)
     settings = settings or RunnerSettings()
     backend = build_backend(spec, transport)
     log = JobLog(home.log_path(name), name, redact=spec.redact)
@@ -256,7 +259,7 @@ async def run_job(
             spec,
             log=log,
             progress=progress,
-            schema=schema,
+            rules=rules,
             settings=settings,
         )
         try:
@@ -273,6 +276,17 @@ async def run_job(
     finally:
         log.close()
         await backend.aclose()
+
+
+def output_rules(spec: RunSpec) -> OutputRules:
+    """The job's schema, guidance style, repairs and truncation policy, for its items."""
+    return OutputRules(
+        schema=load_schema(spec.schema) if spec.schema else None,
+        guided_style=preset_for(spec).guided_style if spec.guided else None,
+        repair_attempts=spec.repair_attempts,
+        retry_longer=spec.on_truncate == "retry-longer",
+        max_tokens_cap=spec.max_tokens_cap,
+    )
 
 
 def _single_error(group: BaseExceptionGroup) -> BaseException:
@@ -335,6 +349,10 @@ def summary_line(
             f" | {stats.requests} requests, {stats.retries} retries, {secs:.1f}s, "
             f"{stats.recorded / secs:.1f} items/s, {stats.output_tokens / secs:,.0f} out tok/s"
         )
+    if stats is not None and stats.repairs:
+        text += f" | {stats.repairs} repairs ({stats.repair_tokens:,} tokens)"
+    if stats is not None and stats.guided_refused:
+        text += f" | the server refused response_format, sent without it: {stats.guided_refused}"
     if stats is not None and stats.aborted:
         text += f" | ABORTED: {stats.aborted}"
     elif stats is not None and stats.interrupted and counts["pending"]:

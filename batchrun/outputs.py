@@ -41,8 +41,20 @@ def native_record(row: dict[str, Any]) -> dict[str, Any]:
         "latency_ms": _round(row["latency_ms"]),
         "ttft_ms": _round(row["ttft_ms"]),
         "attempts": row["attempts"],
+        "repairs": _repairs(row),
         "error": row["error"],
         "meta": _loads(row["meta"]),
+    }
+
+
+def _repairs(row: dict[str, Any]) -> dict[str, int] | None:
+    """What re-asking for a valid answer cost this item (None when it never had to)."""
+    if not row.get("repairs"):
+        return None
+    return {
+        "requests": row["repairs"],
+        "prompt_tokens": row["repair_prompt_tokens"],
+        "completion_tokens": row["repair_completion_tokens"],
     }
 
 

@@ -21,6 +21,9 @@ class RunStats:
     requests: int = 0
     retries: int = 0
     output_tokens: int = 0
+    repairs: int = 0  # follow-up requests for invalid answers, and what they cost
+    repair_tokens: int = 0
+    guided_refused: str | None = None  # the server's 400 to response_format, if it refused it
     started: float = field(default_factory=time.monotonic)
     elapsed: float = 0.0
     aborted: str | None = None  # the fatal error that stopped the job

@@ -1,4 +1,4 @@
-"""The pipeline: claim -> worker pool -> retry(backend) -> validate -> group-committed writes.
+"""The pipeline: claim -> worker pool -> sender (pacing, retries, validation) -> group commits.
 
 One feeder leases pending items in small batches and hands them to N workers through a bounded
 channel; workers send results to one writer, which commits them in groups at most
@@ -25,23 +25,21 @@ import orjson
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from anyio.streams.memory import MemoryObjectSendStream
 
-from batchrun.backends import Backend, Completion, CompletionRequest
+from batchrun.backends import Backend
 from batchrun.config import RunSpec
 from batchrun.errors import (
     BatchrunError,
-    FatalError,
     JobBusy,
     LedgerError,
     OutputError,
-    RequestError,
 )
-from batchrun.inputs import estimate_tokens
 from batchrun.ledger import ClaimedItem, ItemResult, Ledger
-from batchrun.limiter import Change, ConcurrencyController, Pacer, estimate_request_tokens
-from batchrun.progress import JobLog, Progress, input_summary
+from batchrun.limiter import Change, ConcurrencyController, Pacer
+from batchrun.progress import JobLog, Progress
 from batchrun.retry import OutageWatch, RetryPolicy
 from batchrun.run_state import RunnerSettings, RunStats
-from batchrun.validate import SchemaCheck
+from batchrun.sender import Sender
+from batchrun.structured import OutputRules
 
 T = TypeVar("T")
 
@@ -58,7 +56,7 @@ class Runner:
         *,
         log: JobLog,
         progress: Progress | None = None,
-        schema: SchemaCheck | None = None,
+        rules: OutputRules | None = None,
         settings: RunnerSettings | None = None,
     ) -> None:
         self.ledger = ledger
@@ -67,11 +65,9 @@ class Runner:
         self.spec = spec
         self.log = log
         self.progress = progress
-        self.schema = schema
         self.settings = settings or RunnerSettings()
         self.owner = uuid.uuid4().hex
         self.stats = RunStats()
-        self.defaults = spec.request_defaults()
         self.outage = OutageWatch(spec.outage_timeout, clock=self.settings.clock)
         self.policy = RetryPolicy(spec.max_attempts, self.outage, sleep=self.settings.sleep)
         self._db_lock = anyio.CapacityLimiter(1)
@@ -88,6 +84,12 @@ class Runner:
             progress.concurrency = self.limit
         self._stopping = anyio.Event()
         self._workers_scope: anyio.CancelScope | None = None
+        self.rules = rules or OutputRules()
+        self.sender = Sender(
+            backend, policy=self.policy, pacer=self.pacer, rules=self.rules,
+            defaults=spec.request_defaults(), log=log, stats=self.stats, settings=self.settings,
+            current_limit=lambda: self.limit, on_change=self._adjust, on_fatal=self._abort,
+        )  # fmt: skip
 
     # --- control --------------------------------------------------------------------------
 
@@ -244,79 +246,9 @@ class Runner:
                 if self._stopping.is_set():
                     continue  # left running; released to pending when the run ends
                 async with self._slots:
-                    result = await self._process(item)
+                    result = await self.sender.process(item)
                 if result is not None:
                     results.send_nowait(result)  # unbounded: never drops a finished result
-
-    async def _process(self, item: ClaimedItem) -> ItemResult | None:
-        line_body = orjson.loads(item.body)
-        body = {**self.defaults, **line_body}
-        request = CompletionRequest(item.endpoint, body)
-        summary = None if self.log.redact else input_summary(body)
-        estimate = estimate_request_tokens(body)
-        attempts = 0
-
-        def log_attempt(status: str, **fields: Any) -> None:
-            self.log.attempt(
-                item_id=item.item_id,
-                line=item.line,
-                digest=item.digest,
-                summary=summary,
-                attempt=item.attempts + attempts,
-                status=status,
-                **fields,
-            )
-
-        async def attempt() -> Completion:
-            nonlocal attempts
-            attempts += 1
-            self.stats.requests += 1
-            if attempts > 1:
-                self.stats.retries += 1
-            wait = self.pacer.wait(self.settings.clock(), estimate)
-            if wait > 0:
-                await self.settings.sleep(wait)
-            sent_at_limit = self.limit
-            try:
-                completion = await self.backend.complete(request)
-            except RequestError as exc:
-                now = self.settings.clock()
-                self._adjust(self.pacer.failed(now, exc, sent_at_limit=sent_at_limit))
-                log_attempt(
-                    "error",
-                    http_status=exc.status,
-                    error_kind=type(exc).__name__,
-                    error=str(exc),
-                )
-                raise
-            log_attempt(
-                "ok",
-                latency_ms=round(completion.latency_s * 1000, 1),
-                ttft_ms=_ms(completion.ttft_s),
-                prompt_tokens=completion.prompt_tokens,
-                completion_tokens=completion.completion_tokens,
-                finish_reason=completion.finish_reason,
-            )
-            used = None
-            if completion.completion_tokens is not None:
-                used = (completion.prompt_tokens or 0) + completion.completion_tokens
-            self._adjust(self.pacer.succeeded(
-                self.settings.clock(), estimated_tokens=estimate, used_tokens=used,
-                # a server without usage still shows its throughput through the text length
-                output_tokens=completion.completion_tokens or estimate_tokens(len(completion.text)),
-                ttft=completion.ttft_s,
-                rate=completion.rate, sent_at_limit=sent_at_limit,
-            ))  # fmt: skip
-            return completion
-
-        try:
-            completion = await self.policy.call(attempt, key=item.line)
-        except FatalError as exc:
-            self._abort(exc)
-            return None
-        except RequestError as exc:
-            return ItemResult(line=item.line, status="failed", attempts=attempts, error=str(exc))
-        return self._result(item, attempts, completion)
 
     def _limits_json(self) -> str | None:
         """The adaptive limit's recent changes, for `status`; None when it never moved."""
@@ -332,27 +264,6 @@ class Runner:
         if self.progress is not None:
             self.progress.concurrency = change.limit
         self.log.event("concurrency", limit=change.limit, reason=change.reason)
-
-    def _result(self, item: ClaimedItem, attempts: int, c: Completion) -> ItemResult:
-        status, parsed, error = "done", None, None
-        if self.schema is not None:
-            verdict = self.schema.check(c.text, c.finish_reason)
-            status = "done" if verdict.ok else "invalid"
-            parsed, error = verdict.parsed, verdict.error
-        self.stats.output_tokens += c.completion_tokens or 0
-        return ItemResult(
-            line=item.line,
-            status=status,
-            attempts=attempts,
-            latency_ms=c.latency_s * 1000,
-            ttft_ms=_ms(c.ttft_s),
-            prompt_tokens=c.prompt_tokens,
-            completion_tokens=c.completion_tokens,
-            finish_reason=c.finish_reason,
-            output=c.text,
-            parsed=parsed,
-            error=error,
-        )
 
     async def _writer(self, results: ObjectReceiveStream[ItemResult]) -> None:
         clock = time.monotonic
@@ -394,7 +305,3 @@ class Runner:
                 failed=self.stats.by_status.get("failed", 0)
                 + self.stats.by_status.get("invalid", 0),
             )
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 1)

@@ -40,6 +40,7 @@ def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
         "counts": counts,
         "endpoint": {k: spec.get(k) for k in ("backend", "base_url", "model", "endpoint")},
         "concurrency": spec.get("concurrency"),
+        "schema": spec.get("schema"),
         "limit_history": orjson.loads(job.limit_history) if job.limit_history else [],
         "created_at": job.created_at,
         "finished_at": job.finished_at,
@@ -81,6 +82,16 @@ def render_detail(d: dict[str, Any]) -> str:
         f"requests   {d['attempts']:,} attempts",
         f"latency    p50 {ms(lat['p50'])}, p95 {ms(lat['p95'])}, p99 {ms(lat['p99'])}",
     ]
+    rep = d["repairs"]
+    if rep["requests"]:
+        lines.append(
+            f"repairs    {rep['requests']:,} requests, {rep['prompt_tokens']:,} prompt + "
+            f"{rep['completion_tokens']:,} completion tokens"
+        )
+    if d["schema"]:
+        lines.append(f"schema     {d['schema']}")
+    for err in d["top_invalid"]:
+        lines.append(f"invalid    {err['count']} x {err['error'][:150]}")
     if d["limit_history"]:
         moves = ", ".join(f"{limit} ({reason})" for _t, limit, reason in d["limit_history"][-8:])
         lines.append(f"limit      {d['concurrency']}: {moves}")
@@ -88,5 +99,7 @@ def render_detail(d: dict[str, Any]) -> str:
         r = d["runner"]
         lines.append(f"runner     pid {r['pid']} on {r['host']}")
     for err in d["top_errors"]:
+        if any(err == inv for inv in d["top_invalid"]):
+            continue  # shown above
         lines.append(f"error      {err['count']} x {err['error'][:150]}")
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Checking outputs against a JSON Schema: find the JSON in the text, parse it, validate it.
+"""Checking outputs against a JSON Schema: find the JSON in the text, parse it, validate it;
+and the requests that carry a schema: constrained decoding and the repair follow-up.
 
 Models wrap JSON in prose or ```json fences; the whole text is tried first, then a fenced block,
 then the first balanced object or array. A truncated answer (finish_reason "length") is never
@@ -29,6 +30,51 @@ class Verdict:
     error: str | None
 
 
+REPAIR_INSTRUCTION = (
+    "Your previous answer could not be used: {error}. Reply with only the corrected JSON, "
+    "no other text. It must validate against this JSON Schema: {schema}"
+)
+
+
+def schema_problem(schema: Any) -> str | None:
+    """Why `schema` is not a usable JSON Schema (draft 2020-12), or None if it is."""
+    if not isinstance(schema, dict):
+        return "must be a JSON object"
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        return f"is not a valid JSON Schema: {exc.message}"
+    return None
+
+
+def response_format(style: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """The request field that asks a server to constrain its output to `schema`."""
+    if style == "json_object":  # llama.cpp: grammar built from the schema
+        return {"type": "json_object", "schema": schema}
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+
+
+def schema_of(fmt: Any) -> dict[str, Any] | None:
+    """The schema inside a response_format of either style, if it holds one."""
+    if not isinstance(fmt, dict):
+        return None
+    inner = fmt.get("json_schema")
+    schema = inner.get("schema") if isinstance(inner, dict) else fmt.get("schema")
+    return schema if isinstance(schema, dict) else None
+
+
+def repair_body(
+    endpoint: str, body: dict[str, Any], output: str, error: str, schema: dict[str, Any]
+) -> dict[str, Any]:
+    """The follow-up request: the conversation so far, the invalid answer and what is wrong."""
+    note = REPAIR_INSTRUCTION.format(error=error, schema=orjson.dumps(schema).decode())
+    if endpoint == "chat":
+        messages = [*body["messages"], {"role": "assistant", "content": output},
+                    {"role": "user", "content": note}]  # fmt: skip
+        return {**body, "messages": messages}
+    return {**body, "prompt": f"{body['prompt']}{output}\n\n{note}\n"}
+
+
 def load_schema(path: str) -> dict[str, Any]:
     try:
         schema = orjson.loads(Path(path).read_bytes())
@@ -38,13 +84,10 @@ def load_schema(path: str) -> dict[str, Any]:
         raise UsageError(f"cannot read schema file {path}: {exc.strerror or exc}") from None
     except orjson.JSONDecodeError as exc:
         raise UsageError(f"schema file {path} is not valid JSON: {exc}") from None
-    try:
-        Draft202012Validator.check_schema(schema)
-    except SchemaError as exc:
-        raise UsageError(f"schema file {path} is not a valid JSON Schema: {exc.message}") from None
-    if not isinstance(schema, dict):
-        raise UsageError(f"schema file {path} must hold a JSON object")
-    return schema
+    problem = schema_problem(schema)
+    if problem is not None:
+        raise UsageError(f"schema file {path} {problem}")
+    return schema  # type: ignore[no-any-return]
 
 
 def extract_json(text: str) -> Any:

@@ -14,6 +14,8 @@ from sqlalchemy import Connection, Engine, inspect, select, text
 
 from batchrun.ledger.schema import items, items_id_unique, jobs, schema_migrations
 
+REPAIR_COLUMNS = ("repairs", "repair_prompt_tokens", "repair_completion_tokens")
+
 
 def _v1_initial(conn: Connection) -> None:
     jobs.create(conn, checkfirst=True)
@@ -27,9 +29,17 @@ def _v2_limit_history(conn: Connection) -> None:
         conn.execute(text("ALTER TABLE jobs ADD COLUMN limit_history TEXT"))
 
 
+def _v3_repair_costs(conn: Connection) -> None:
+    have = {c["name"] for c in inspect(conn).get_columns("items")}
+    for column in REPAIR_COLUMNS:
+        if column not in have:
+            conn.execute(text(f"ALTER TABLE items ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0"))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "initial jobs and items", _v1_initial),
     (2, "jobs.limit_history for --concurrency auto", _v2_limit_history),
+    (3, "items.repairs and repair token counts for --repair-attempts", _v3_repair_costs),
 ]
 
 

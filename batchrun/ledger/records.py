@@ -47,6 +47,9 @@ class ItemResult:
     output: str | None = None
     parsed: str | None = None
     error: str | None = None
+    repairs: int = 0  # follow-up requests that showed an invalid answer its error
+    repair_prompt_tokens: int = 0
+    repair_completion_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,10 @@ items = Table(
     Column("output", Text),
     Column("parsed", Text),
     Column("error", Text),
+    # What repairs of invalid answers cost, summed over runs (migration 3).
+    Column("repairs", Integer, nullable=False, server_default="0"),
+    Column("repair_prompt_tokens", Integer, nullable=False, server_default="0"),
+    Column("repair_completion_tokens", Integer, nullable=False, server_default="0"),
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
     # Rows live in (job, line) order in the primary-key B-tree itself: one B-tree fewer to

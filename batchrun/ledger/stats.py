@@ -16,6 +16,9 @@ def item_stats(conn: Connection, name: str) -> dict[str, Any]:
             func.sum(items.c.prompt_tokens),
             func.sum(items.c.completion_tokens),
             func.sum(items.c.attempts),
+            func.sum(items.c.repairs),
+            func.sum(items.c.repair_prompt_tokens),
+            func.sum(items.c.repair_completion_tokens),
         ).where(items.c.job == name)
     ).one()
     latencies: list[float] = list(
@@ -31,13 +34,8 @@ def item_stats(conn: Connection, name: str) -> dict[str, Any]:
         .scalars()
         .all()
     )
-    errors = conn.execute(
-        select(items.c.error, func.count().label("n"))
-        .where(items.c.job == name, items.c.error.is_not(None))
-        .group_by(items.c.error)
-        .order_by(func.count().desc())
-        .limit(5)
-    ).all()
+    errors = _commonest_errors(conn, name, None)
+    invalid = _commonest_errors(conn, name, "invalid")
     return {
         "prompt_tokens": int(totals[0] or 0),
         "completion_tokens": int(totals[1] or 0),
@@ -47,8 +45,28 @@ def item_stats(conn: Connection, name: str) -> dict[str, Any]:
             "p95": _percentile(latencies, 0.95),
             "p99": _percentile(latencies, 0.99),
         },
-        "top_errors": [{"error": e, "count": int(n)} for e, n in errors],
+        "repairs": {
+            "requests": int(totals[3] or 0),
+            "prompt_tokens": int(totals[4] or 0),
+            "completion_tokens": int(totals[5] or 0),
+        },
+        "top_errors": errors,
+        "top_invalid": invalid,
     }
+
+
+def _commonest_errors(conn: Connection, name: str, status: str | None) -> list[dict[str, Any]]:
+    where = [items.c.job == name, items.c.error.is_not(None)]
+    if status is not None:
+        where.append(items.c.status == status)
+    rows = conn.execute(
+        select(items.c.error, func.count().label("n"))
+        .where(*where)
+        .group_by(items.c.error)
+        .order_by(func.count().desc())
+        .limit(5)
+    ).all()
+    return [{"error": e, "count": int(n)} for e, n in rows]
 
 
 def _percentile(sorted_values: list[float], q: float) -> float | None:

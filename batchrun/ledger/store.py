@@ -307,6 +307,11 @@ class Ledger:
                 output=bindparam("b_output"),
                 parsed=bindparam("b_parsed"),
                 error=bindparam("b_error"),
+                repairs=items.c.repairs + bindparam("b_repairs"),
+                repair_prompt_tokens=items.c.repair_prompt_tokens
+                + bindparam("b_repair_prompt_tokens"),
+                repair_completion_tokens=items.c.repair_completion_tokens
+                + bindparam("b_repair_completion_tokens"),
             )
         )
         params = [{f"b_{k}": getattr(r, k) for k in ItemResult.__slots__} for r in results]

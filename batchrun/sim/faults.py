@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import orjson
 
@@ -22,17 +22,19 @@ BODY_FAULTS = ("nonjson", "empty")
 FAULT_KINDS = (*STATUS_FAULTS, *TRANSPORT_FAULTS, *BODY_FAULTS)
 
 
-def check_rates(rates: Mapping[str, float]) -> dict[str, float]:
+def check_rates(
+    rates: Mapping[str, float], known: Sequence[str] = FAULT_KINDS, what: str = "fault"
+) -> dict[str, float]:
     """Validate a {kind: probability} table; returns it as a plain dict."""
-    unknown = sorted(set(rates) - set(FAULT_KINDS))
+    unknown = sorted(set(rates) - set(known))
     if unknown:
-        raise ValueError(f"unknown fault kind(s) {unknown}; known: {', '.join(FAULT_KINDS)}")
+        raise ValueError(f"unknown {what} kind(s) {unknown}; known: {', '.join(known)}")
     for kind, rate in rates.items():
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
-            raise ValueError(f"fault rate for {kind} must be between 0 and 1, got {rate!r}")
+            raise ValueError(f"{what} rate for {kind} must be between 0 and 1, got {rate!r}")
     total = math.fsum(rates.values())
     if total > 1 + 1e-9:  # tolerance: 0.34 + 0.56 + 0.1 is 1.0000000000000002 in floats
-        raise ValueError(f"fault rates add up to {total:.6g}, more than 1")
+        raise ValueError(f"{what} rates add up to {total:.6g}, more than 1")
     return {kind: float(rate) for kind, rate in rates.items()}
 
 

@@ -20,6 +20,14 @@ import orjson
 
 from batchrun.sim.capacity import Capacity, Refusal
 from batchrun.sim.faults import BODY_FAULTS, STATUS_FAULTS, FaultPlan, body_fault, status_fault
+from batchrun.sim.json_answers import (
+    DEFAULT_SCHEMA,
+    is_repair,
+    json_text,
+    pick_style,
+    pieces,
+    requested_schema,
+)
 
 WORDS = (
     "synthetic",
@@ -75,6 +83,13 @@ class SimConfig:
     gate_status: int = 429
     rpm: int | None = None
     tpm: int | None = None
+    # JSON answers (json_answers.py): styles by rate when no schema is sent, the schema the
+    # "model" was told, whether repair follow-ups fix the answer, and a server that refuses
+    # response_format with a 400 (as some do).
+    json_styles: dict[str, float] = field(default_factory=dict)
+    json_schema: dict[str, Any] | None = None
+    repair_fixes: bool = True
+    refuse_response_format: bool = False
 
 
 @dataclass
@@ -235,11 +250,18 @@ class SimModel:
         model = request.get("model") or cfg.models[0]
         rng = random.Random(tag)
         wanted = rng.randint(cfg.min_output_tokens, cfg.max_output_tokens)
+        fmt = request.get("response_format")
+        if fmt is not None and cfg.refuse_response_format:
+            return _error(400, "response_format is not supported by this server (simulated)",
+                          "invalid_request_error")  # fmt: skip
+        tokens = self._json_tokens(request, rng)
+        if tokens is None:
+            tokens = [tag, *(" " + rng.choice(WORDS) for _ in range(wanted - 1))]
         limit = request.get("max_tokens") or request.get("max_completion_tokens")
-        n_out, finish = wanted, "stop"
-        if isinstance(limit, int) and 0 < limit < wanted:
+        n_out, finish = len(tokens), "stop"
+        if isinstance(limit, int) and 0 < limit < n_out:
             n_out, finish = limit, "length"
-        tokens = [tag, *(rng.choice(WORDS) for _ in range(n_out - 1))]
+            tokens = tokens[:limit]
         prompt_tokens = max(1, len(text.split()))
         usage = {
             "prompt_tokens": prompt_tokens,
@@ -273,7 +295,7 @@ class SimModel:
             )
             reply.headers.update(headers)
             return reply
-        full = " ".join(tokens)
+        full = "".join(tokens)
         if endpoint == "chat":
             choice: dict[str, Any] = {
                 "index": 0,
@@ -288,6 +310,20 @@ class SimModel:
         reply = _json_reply(200, payload, delay=ttft + tpot * (n_out - 1))
         reply.headers.update(headers)
         return reply
+
+    def _json_tokens(self, request: dict[str, Any], rng: random.Random) -> list[str] | None:
+        """A JSON answer's tokens, when the request or the config calls for JSON."""
+        cfg = self.config
+        schema = requested_schema(request.get("response_format"))
+        if schema is None and not cfg.json_styles and cfg.json_schema is None:
+            return None
+        if schema is not None:  # constrained decoding: always valid for the schema sent
+            style = "valid"
+        elif is_repair(request):
+            style = "valid" if cfg.repair_fixes else "broken"
+        else:
+            style = pick_style(cfg.json_styles, rng)
+        return pieces(json_text(schema or cfg.json_schema or DEFAULT_SCHEMA, style, rng))
 
     @staticmethod
     def _stream(
@@ -326,7 +362,7 @@ class SimModel:
             }
             events.append((0.0, b"data: " + orjson.dumps(role) + b"\n\n"))
         for i, token in enumerate(tokens):
-            events.append((ttft if i == 0 else tpot, chunk(token if i == 0 else " " + token)))
+            events.append((ttft if i == 0 else tpot, chunk(token)))
         events.append((0.0, chunk(None, finish)))
         if usage is not None:
             tail = {**base, "object": obj, "choices": [], "usage": usage}

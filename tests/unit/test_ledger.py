@@ -364,10 +364,10 @@ def test_a_runner_that_was_taken_over_claims_nothing(ledger: Ledger) -> None:
     assert [c.line for c in ledger.claim("j", "new", 10, lease_ttl=60)] == [3, 4, 5, 6]
 
 
-def test_migration_2_adds_limit_history_to_an_older_ledger(tmp_path: Path) -> None:
+def test_migrations_bring_an_older_ledger_up_to_date(tmp_path: Path) -> None:
     db = tmp_path / "old.db"
     conn = sqlite3.connect(db)
-    conn.executescript(  # a ledger made before migration 2: jobs without limit_history
+    conn.executescript(  # a ledger made by v1: no limit_history, no repair counts
         """
         CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, name VARCHAR(100) NOT NULL,
                                         applied_at FLOAT NOT NULL);
@@ -377,14 +377,40 @@ def test_migration_2_adds_limit_history_to_an_older_ledger(tmp_path: Path) -> No
             created_at FLOAT NOT NULL, updated_at FLOAT NOT NULL, finished_at FLOAT,
             runner_owner VARCHAR(64), runner_pid INTEGER, runner_host VARCHAR(255),
             runner_heartbeat FLOAT);
-        INSERT INTO jobs VALUES ('old', 'in.jsonl', 'd', '{}', 0, 0, 0, NULL, NULL, NULL,
+        INSERT INTO jobs VALUES ('old', 'in.jsonl', 'd', '{}', 1, 0, 0, NULL, NULL, NULL,
                                  NULL, NULL);
+        CREATE TABLE items (job VARCHAR(200) NOT NULL, line INTEGER NOT NULL,
+            item_id TEXT NOT NULL, endpoint VARCHAR(16) NOT NULL, body TEXT NOT NULL,
+            digest VARCHAR(64) NOT NULL, meta TEXT, status VARCHAR(16) NOT NULL,
+            attempts INTEGER NOT NULL, owner VARCHAR(64), lease_expires FLOAT,
+            latency_ms FLOAT, ttft_ms FLOAT, prompt_tokens INTEGER, completion_tokens INTEGER,
+            finish_reason VARCHAR(32), output TEXT, parsed TEXT, error TEXT,
+            created_at FLOAT NOT NULL, updated_at FLOAT NOT NULL, PRIMARY KEY (job, line))
+            WITHOUT ROWID;
+        INSERT INTO items (job, line, item_id, endpoint, body, digest, status, attempts,
+                           created_at, updated_at)
+            VALUES ('old', 1, '1', 'chat', '{}', 'd', 'done', 1, 0, 0);
         """
     )
     conn.close()
     engine = make_engine(f"sqlite:///{db}")
-    assert migrate(engine) == 1  # only v2 ran
+    assert migrate(engine) == 2  # v2 and v3 ran
     assert "limit_history" in {c["name"] for c in inspect(engine).get_columns("jobs")}
+    assert {"repairs", "repair_prompt_tokens", "repair_completion_tokens"} <= {
+        c["name"] for c in inspect(engine).get_columns("items")
+    }
     assert migrate(engine) == 0
-    job = Ledger(f"sqlite:///{db}").get_job("old")
+    ledger = Ledger(f"sqlite:///{db}")
+    job = ledger.get_job("old")
     assert job is not None and job.limit_history is None
+    (row,) = ledger.iter_results("old")
+    assert (row["repairs"], row["repair_prompt_tokens"], row["repair_completion_tokens"]) == (
+        0,
+        0,
+        0,
+    )
+    assert ledger.item_stats("old")["repairs"] == {
+        "requests": 0,
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+    }

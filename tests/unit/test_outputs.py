@@ -65,6 +65,7 @@ def test_native_done_record_field_by_field(tmp_path: Path) -> None:
         "latency_ms": 812,
         "ttft_ms": 96,
         "attempts": 1,
+        "repairs": None,
         "error": None,
         "meta": {"source": "crm", "n": 3},
     }
@@ -97,9 +98,19 @@ def test_native_failed_record(tmp_path: Path) -> None:
         "latency_ms": None,
         "ttft_ms": None,
         "attempts": 5,
+        "repairs": None,
         "error": "503 Service Unavailable",
         "meta": None,
     }
+
+
+def test_native_record_shows_what_repairs_cost(tmp_path: Path) -> None:
+    path = tmp_path / "job.jsonl"
+    row = make_row(repairs=2, repair_prompt_tokens=120, repair_completion_tokens=30)
+    write_results(path, [row])
+    (record,) = read_jsonl(path)
+    assert record["repairs"] == {"requests": 2, "prompt_tokens": 120, "completion_tokens": 30}
+    assert record["usage"] == {"prompt_tokens": 31, "completion_tokens": 12}
 
 
 def test_native_partial_usage_keeps_both_keys(tmp_path: Path) -> None:

@@ -197,7 +197,7 @@ async def test_unreachable_endpoint_stops_after_grace_without_burning_items(
 async def test_schema_marks_non_json_output_invalid(tmp_path: Path) -> None:
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "required": ["name"]}))
-    ledger, _stats, _ = await run(tmp_path, 3, schema=str(schema))
+    ledger, _stats, _ = await run(tmp_path, 3, schema=str(schema), guided=False)
     result = rows(ledger)
     assert [r["status"] for r in result] == ["invalid"] * 3
     assert all("no JSON" in r["error"] for r in result)

@@ -1,0 +1,154 @@
+"""One item, from its claim to its result: pacing, retries, and the structured-output loop.
+
+Each request is paced (rate limits, adaptive concurrency), retried on transient errors by the
+retry policy, and logged as an `attempt`. Its answer goes to the item's AnswerPlan, which may
+ask for another request: a repair follow-up, a longer max_tokens, or the same request without
+`response_format` when the server refused that with a 400 (then guidance stays off for the run,
+said once in the log).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from batchrun.backends import Backend, Completion, CompletionRequest
+from batchrun.errors import BadRequest, FatalError, RequestError
+from batchrun.inputs import estimate_tokens
+from batchrun.ledger import ClaimedItem, ItemResult
+from batchrun.limiter import Change, Pacer, estimate_request_tokens
+from batchrun.progress import JobLog, input_summary
+from batchrun.retry import RetryPolicy
+from batchrun.run_state import RunnerSettings, RunStats
+from batchrun.structured import AnswerPlan, Outcome, OutputRules
+
+
+class Sender:
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        policy: RetryPolicy,
+        pacer: Pacer,
+        rules: OutputRules,
+        defaults: dict[str, Any],
+        log: JobLog,
+        stats: RunStats,
+        settings: RunnerSettings,
+        current_limit: Callable[[], int],
+        on_change: Callable[[Change | None], None],
+        on_fatal: Callable[[FatalError], None],
+    ) -> None:
+        self.backend = backend
+        self.policy = policy
+        self.pacer = pacer
+        self.rules = rules
+        self.defaults = defaults
+        self.log = log
+        self.stats = stats
+        self.settings = settings
+        self._limit = current_limit
+        self._changed = on_change
+        self._fatal = on_fatal
+
+    async def process(self, item: ClaimedItem) -> ItemResult | None:
+        """The item's final result; None when a fatal error stopped the job meanwhile."""
+        body = {**self.defaults, **orjson.loads(item.body)}
+        plan = self.rules.plan(item.endpoint, body)
+        summary = None if self.log.redact else input_summary(body)
+        attempts = tries = 0
+        refusal: str | None = None  # a 400 to the guided request, until unguided succeeds
+
+        def log_attempt(status: str, **fields: Any) -> None:
+            self.log.attempt(item_id=item.item_id, line=item.line, digest=item.digest,
+                             summary=summary, attempt=item.attempts + attempts, status=status,
+                             **fields)  # fmt: skip
+
+        async def attempt() -> Completion:
+            nonlocal attempts, tries
+            attempts += 1
+            tries += 1
+            self.stats.requests += 1
+            if tries > 1:  # a retry of the same request (repairs are new requests, not retries)
+                self.stats.retries += 1
+            request = CompletionRequest(item.endpoint, plan.request())
+            estimate = estimate_request_tokens(request.body)
+            wait = self.pacer.wait(self.settings.clock(), estimate)
+            if wait > 0:
+                await self.settings.sleep(wait)
+            sent_at_limit = self._limit()
+            try:
+                completion = await self.backend.complete(request)
+            except RequestError as exc:
+                now = self.settings.clock()
+                self._changed(self.pacer.failed(now, exc, sent_at_limit=sent_at_limit))
+                log_attempt("error", http_status=exc.status, error_kind=type(exc).__name__,
+                            error=str(exc))  # fmt: skip
+                raise
+            log_attempt("ok", latency_ms=_ms(completion.latency_s), ttft_ms=_ms(completion.ttft_s),
+                        prompt_tokens=completion.prompt_tokens,
+                        completion_tokens=completion.completion_tokens,
+                        finish_reason=completion.finish_reason)  # fmt: skip
+            used = None
+            if completion.completion_tokens is not None:
+                used = (completion.prompt_tokens or 0) + completion.completion_tokens
+            self._changed(self.pacer.succeeded(
+                self.settings.clock(), estimated_tokens=estimate, used_tokens=used,
+                # a server without usage still shows its throughput through the text length
+                output_tokens=completion.completion_tokens or estimate_tokens(len(completion.text)),
+                ttft=completion.ttft_s,
+                rate=completion.rate, sent_at_limit=sent_at_limit,
+            ))  # fmt: skip
+            return completion
+
+        while True:
+            tries = 0
+            try:
+                completion = await self.policy.call(attempt, key=item.line)
+            except FatalError as exc:
+                self._fatal(exc)
+                return None
+            except BadRequest as exc:
+                if plan.guided:  # maybe the schema, not the prompt: try once without it
+                    plan.unguided, refusal = True, str(exc)
+                    continue
+                return ItemResult(line=item.line, status="failed", attempts=attempts,
+                                  error=str(exc))  # fmt: skip
+            except RequestError as exc:
+                return ItemResult(line=item.line, status="failed", attempts=attempts,
+                                  error=str(exc))  # fmt: skip
+            if refusal is not None and self.rules.guided_refused is None:
+                self.rules.guided_refused = self.stats.guided_refused = refusal
+                self.log.event("guided_refused", error=refusal)
+            outcome = plan.judge(completion)
+            if outcome is not None:
+                return self._result(item, attempts, completion, outcome, plan)
+
+    def _result(
+        self, item: ClaimedItem, attempts: int, c: Completion, outcome: Outcome, plan: AnswerPlan
+    ) -> ItemResult:
+        self.stats.output_tokens += plan.usage[1] or 0
+        self.stats.repairs += plan.repairs
+        self.stats.repair_tokens += plan.repair_prompt_tokens + plan.repair_completion_tokens
+        return ItemResult(
+            line=item.line,
+            status=outcome.status,
+            attempts=attempts,
+            latency_ms=c.latency_s * 1000,
+            ttft_ms=_ms(c.ttft_s),
+            prompt_tokens=plan.usage[0],
+            completion_tokens=plan.usage[1],
+            finish_reason=c.finish_reason,
+            output=c.text,
+            parsed=outcome.parsed,
+            error=outcome.error,
+            repairs=plan.repairs,
+            repair_prompt_tokens=plan.repair_prompt_tokens,
+            repair_completion_tokens=plan.repair_completion_tokens,
+        )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
