@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.helpers import CLI
+from tests.integration.llamacpp import LlamaServer, require_llamacpp
 
 
 @pytest.fixture
@@ -48,3 +49,13 @@ def sim_server() -> Iterator[Callable[..., str]]:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    """llama.cpp's server with the tiny model, shared by one test module."""
+    require_llamacpp()
+    server = LlamaServer(tmp_path_factory.mktemp("llama") / "server.log")
+    server.start()
+    yield server
+    server.kill()

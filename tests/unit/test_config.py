@@ -423,3 +423,25 @@ def test_rate_options_must_be_positive() -> None:
     with pytest.raises(UsageError, match="rpm"):
         resolve({"backend": "sim", "rpm": 0.0})
     assert resolve({"backend": "sim", "tpm": 1000}).tpm == 1000.0
+
+
+def test_concurrency_is_adaptive_unless_a_number_is_given() -> None:
+    spec = resolve({"backend": "vllm"})
+    assert spec.concurrency == "auto" and spec.adaptive
+    assert spec.most_in_flight == spec.max_concurrency == 256
+    fixed = resolve({"backend": "vllm", "concurrency": "12"})
+    assert fixed.concurrency == 12 and not fixed.adaptive and fixed.most_in_flight == 12
+
+
+def test_structured_output_options_are_checked() -> None:
+    spec = resolve({"backend": "llamacpp"})
+    assert (spec.guided, spec.repair_attempts, spec.on_truncate) == (True, 1, "fail")
+    assert PRESETS["llamacpp"].guided_style == "json_object"
+    assert PRESETS["vllm"].guided_style == "json_schema"
+    for bad, message in [
+        ({"on_truncate": "grow"}, "--on-truncate"),
+        ({"repair_attempts": -1}, "--repair-attempts"),
+        ({"max_tokens_cap": 0}, "--max-tokens-cap"),
+    ]:
+        with pytest.raises(UsageError, match=message):
+            resolve({"backend": "vllm", **bad})
