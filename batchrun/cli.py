@@ -16,6 +16,7 @@ import click
 import orjson
 
 from batchrun import __version__, jobs
+from batchrun.cli_bench import bench
 from batchrun.cli_errors import errors_to_exit_codes, say
 from batchrun.cli_sim import sim
 from batchrun.config import PRESETS, RunSpec, load_spec_file
@@ -322,3 +323,4 @@ def retry(ctx: Context, job_name: str) -> None:
 
 
 main.add_command(sim)
+main.add_command(bench)

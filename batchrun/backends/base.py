@@ -35,6 +35,12 @@ class Completion:
     latency_s: float
     ttft_s: float | None  # time to the first non-empty content delta (streaming only)
     rate: RateInfo | None = None  # the server's rate-limit headers, when it sends them
+    # Seconds from sending to each non-empty content delta (streaming only): inter-token
+    # latency for `batchrun bench`.
+    chunk_times: tuple[float, ...] = ()
+    # Timings the server reports in `usage` (Groq: queue_time, prompt_time, completion_time,
+    # total_time), in seconds.
+    server_timing: dict[str, float] | None = None
 
 
 class Backend(Protocol):

@@ -28,6 +28,8 @@ from batchrun.errors import (
     StreamCut,
 )
 
+# Server-side timings some servers put in `usage` (Groq), in seconds.
+SERVER_TIMING = ("queue_time", "prompt_time", "completion_time", "total_time")
 ENDPOINT_PATHS = {"chat": "/chat/completions", "completions": "/completions"}
 
 
@@ -130,7 +132,7 @@ class OpenAICompatBackend:
 
     async def _read_stream(self, resp: httpx.Response, endpoint: str, started: float) -> Completion:
         pieces: list[str] = []
-        ttft: float | None = None
+        times: list[float] = []  # of each non-empty content delta; the first is the TTFT
         finish: str | None = None
         usage: dict[str, Any] | None = None
         done = False
@@ -163,8 +165,7 @@ class OpenAICompatBackend:
                 saw_choice = True
                 piece = _choice_text(choice, endpoint, streamed=True)
                 if piece:
-                    if ttft is None:
-                        ttft = time.perf_counter() - started
+                    times.append(time.perf_counter() - started)
                     pieces.append(piece)
                 if choice.get("finish_reason"):
                     finish = choice["finish_reason"]
@@ -172,7 +173,10 @@ class OpenAICompatBackend:
             raise StreamCut("stream carried no choices")
         if not done and finish is None:
             raise StreamCut("stream ended before its final chunk")
-        return _completion("".join(pieces), finish, usage, started, ttft)
+        completion = _completion(
+            "".join(pieces), finish, usage, started, times[0] if times else None
+        )
+        return replace(completion, chunk_times=tuple(times))
 
     @staticmethod
     def _read_json(content: bytes, endpoint: str, started: float) -> Completion:
@@ -224,6 +228,7 @@ def _completion(
     text: str, finish: str | None, usage: Any, started: float, ttft: float | None
 ) -> Completion:
     usage = usage if isinstance(usage, dict) else {}
+    timing = {k: float(usage[k]) for k in SERVER_TIMING if _is_number(usage.get(k))}
     return Completion(
         text=text,
         finish_reason=finish,
@@ -231,7 +236,12 @@ def _completion(
         completion_tokens=_int_or_none(usage.get("completion_tokens")),
         latency_s=time.perf_counter() - started,
         ttft_s=ttft,
+        server_timing=timing or None,
     )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _int_or_none(value: Any) -> int | None:

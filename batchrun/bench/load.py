@@ -1,0 +1,149 @@
+"""Load generation: a closed-loop concurrency sweep (or Poisson arrivals) against one endpoint.
+
+For each class and each concurrency level, `warmup` requests are sent and thrown away (they
+open connections and fill caches), then at least `repeat` requests (and at least one per slot,
+so a level of 16 really has 16 in flight) are measured. Closed loop: each of C workers sends its
+next request when its last one ends. With `rate`, requests arrive at Poisson times instead, at
+most C in flight (vLLM's --request-rate with --max-concurrency). Requests are not retried: a
+failure is a measurement.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import anyio
+
+from batchrun.backends import Backend, Completion, CompletionRequest
+from batchrun.bench.metrics import RequestRecord
+from batchrun.bench.suite import BenchClass, Suite, request_body
+from batchrun.errors import RequestError
+from batchrun.validate import SchemaCheck, response_format
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    levels: tuple[int, ...] = (1, 4, 8, 16)
+    repeat: int = 10
+    warmup: int = 2
+    rate: float | None = None  # requests per second, Poisson; None: closed loop
+    seed: int = 0
+    model: str | None = None
+    guided_style: str | None = "json_schema"  # how the JSON class asks for its schema
+
+
+@dataclass
+class Cell:
+    endpoint: str
+    cls: str
+    concurrency: int
+    wall_s: float
+    records: list[RequestRecord]
+
+
+def record_of(
+    endpoint: str, cls: BenchClass, level: int, started: float, result: Completion | RequestError,
+    elapsed: float,
+) -> RequestRecord:  # fmt: skip
+    """One request's measurements from its completion (or its error)."""
+    record = RequestRecord(endpoint, cls.name, level, ok=False, started_s=started,
+                           e2e_ms=elapsed * 1000)  # fmt: skip
+    if isinstance(result, RequestError):
+        record.error_code = str(result.status) if result.status else type(result).__name__
+        record.error = str(result)[:300]
+        return record
+    c = result
+    times = c.chunk_times
+    tokens, source = c.completion_tokens, "usage"
+    if tokens is None and times:
+        tokens, source = len(times), "chunks"
+    e2e = c.latency_s * 1000
+    ttft = c.ttft_s * 1000 if c.ttft_s is not None else None
+    tpot = (e2e - ttft) / (tokens - 1) if ttft is not None and tokens and tokens > 1 else None
+    valid = SchemaCheck(cls.schema).check(c.text, c.finish_reason).ok if cls.schema else None
+    return replace(
+        record, ok=True, e2e_ms=e2e, ttft_ms=ttft, tpot_ms=tpot,
+        itl_ms=[(b - a) * 1000 for a, b in itertools.pairwise(times)],
+        output_tokens=tokens, prompt_tokens=c.prompt_tokens, tokens_from=source,
+        schema_valid=valid, server_timing=c.server_timing, chunks=len(times),
+    )  # fmt: skip
+
+
+async def run_cell(
+    backend: Backend, endpoint: str, cls: BenchClass, level: int, plan: LoadPlan,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Cell:  # fmt: skip
+    """Warm up, then measure one class at one concurrency level."""
+
+    def body(i: int) -> dict[str, Any]:
+        b = request_body(cls, i, plan.model, plan.seed)
+        if cls.schema is not None and plan.guided_style is not None:
+            b["response_format"] = response_format(plan.guided_style, cls.schema)
+        return b
+
+    async def send(i: int, t0: float) -> RequestRecord:
+        sent = clock()
+        try:
+            result: Completion | RequestError = await backend.complete(
+                CompletionRequest("chat", body(i))
+            )
+        except RequestError as exc:
+            result = exc
+        return record_of(endpoint, cls, level, sent - t0, result, clock() - sent)
+
+    count = max(plan.repeat, level)
+    await _drive(send, range(plan.warmup), level, None, plan.seed, clock)
+    started = clock()
+    records = await _drive(send, range(plan.warmup, plan.warmup + count), level, plan.rate,
+                           plan.seed, clock, t0=started)  # fmt: skip
+    return Cell(endpoint, cls.name, level, clock() - started, records)
+
+
+async def _drive(
+    send: Callable[[int, float], Any], indexes: range, level: int, rate: float | None,
+    seed: int, clock: Callable[[], float], t0: float | None = None,
+) -> list[RequestRecord]:  # fmt: skip
+    records: list[RequestRecord] = []
+    start = clock() if t0 is None else t0
+    todo = iter(indexes)
+    slots = anyio.CapacityLimiter(level)
+
+    async def one(i: int) -> None:
+        async with slots:
+            records.append(await send(i, start))
+
+    async with anyio.create_task_group() as tg:
+        if rate is None:
+
+            async def worker() -> None:
+                for i in todo:
+                    records.append(await send(i, start))
+
+            for _ in range(min(level, len(indexes))):
+                tg.start_soon(worker)
+        else:
+            arrivals = random.Random(seed)
+            for i in indexes:
+                tg.start_soon(one, i)
+                await anyio.sleep(arrivals.expovariate(rate))
+    return records
+
+
+async def sweep(
+    backend: Backend, endpoint: str, suite: Suite, plan: LoadPlan,
+    on_cell: Callable[[Cell], None] | None = None,
+) -> list[Cell]:  # fmt: skip
+    """Every class at every level, one after another, on one endpoint."""
+    cells = []
+    for cls in suite.classes:
+        for level in plan.levels:
+            cell = await run_cell(backend, endpoint, cls, level, plan)
+            cells.append(cell)
+            if on_cell is not None:
+                on_cell(cell)
+    return cells

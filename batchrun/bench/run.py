@@ -1,0 +1,141 @@
+"""One bench invocation: self-test, then every endpoint in turn under identical settings, then
+the files. Endpoints run one after another, never at once, so they do not compete for this
+machine's CPU and network."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from batchrun.backends import Transport
+from batchrun.bench import plots, report
+from batchrun.bench.load import Cell, LoadPlan, sweep
+from batchrun.bench.metrics import knee, summarize
+from batchrun.bench.selftest import client_bound, self_test
+from batchrun.bench.suite import Suite
+from batchrun.config import RunSpec, preset_for
+from batchrun.errors import UsageError
+from batchrun.jobs import build_backend
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    name: str
+    spec: RunSpec  # backend preset, base URL, model, key variable, timeout
+
+
+def parse_endpoint(text: str, resolve_spec: Callable[[dict[str, Any]], RunSpec]) -> Endpoint:
+    """NAME=URL[,model=M][,key=VAR][,backend=PRESET]."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name.strip() or not rest.strip():
+        raise UsageError(f"--endpoint {text!r}: write NAME=URL[,model=M][,key=VAR][,backend=B]")
+    url, *extras = rest.split(",")
+    options: dict[str, Any] = {"base_url": url.strip()}
+    names = {"model": "model", "key": "api_key_env", "backend": "backend"}
+    for extra in extras:
+        key, sep, value = extra.partition("=")
+        if not sep or key.strip() not in names:
+            raise UsageError(
+                f"--endpoint {text!r}: unknown part {extra!r} (model=, key=, backend=)"
+            )
+        options[names[key.strip()]] = value.strip()
+    return Endpoint(name.strip(), resolve_spec(options))
+
+
+async def run_bench(
+    endpoints: list[Endpoint], suite: Suite, plan: LoadPlan, folder: Path, *, label: str,
+    guided: bool = True, selftest: bool = True, transport: Transport | None = None,
+    say: Callable[[str], None] = print, show: Callable[[str], None] = print,
+) -> dict[str, Any]:  # fmt: skip
+    """Measure, write results.json, summary.csv, report.md and charts; return the results.
+    Progress goes to `say`, the results table to `show`."""
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    st = None
+    if selftest:
+        say("client self-test against the built-in simulator ...")
+        st = await self_test(max(plan.levels))
+    cells: list[tuple[Cell, dict[str, Any]]] = []
+    described = []
+    for endpoint in endpoints:
+        backend = build_backend(endpoint.spec, transport)
+        try:
+            listed = [] if endpoint.spec.model else await backend.list_models()
+            model = endpoint.spec.model or (listed[0] if listed else None)
+            style = preset_for(endpoint.spec).guided_style if guided else None
+            run_plan = LoadPlan(plan.levels, plan.repeat, plan.warmup, plan.rate, plan.seed,
+                                model, style)  # fmt: skip
+            described.append({"name": endpoint.name, "base_url": endpoint.spec.base_url,
+                              "model": model})  # fmt: skip
+
+            def done(cell: Cell) -> None:
+                summary = summarize(cell.records, cell.wall_s)
+                cells.append((cell, summary))
+                say(f"  {cell.endpoint} / {cell.cls} @ {cell.concurrency}: "
+                    f"{summary['succeeded']}/{summary['requests']} ok, "
+                    f"{summary['output_throughput'] or 0:,.0f} out tok/s")  # fmt: skip
+
+            say(f"benchmarking {endpoint.name} ({endpoint.spec.base_url}, model {model}) ...")
+            await sweep(backend, endpoint.name, suite, run_plan, on_cell=done)
+        finally:
+            await backend.aclose()
+    results = _results(label, started, plan, suite, guided, st, described, cells)
+    files = report.write_all(folder, results)
+    if plots.available():
+        files += plots.write_charts(folder, [("", results)])
+    else:
+        say(plots.MISSING)
+    show(report.console(results))
+    say(f"wrote {', '.join(p.name for p in files)} to {folder}")
+    return results
+
+
+def _results(
+    label: str, started: str, plan: LoadPlan, suite: Suite, guided: bool,
+    st: dict[str, Any] | None, endpoints: list[dict[str, Any]],
+    cells: list[tuple[Cell, dict[str, Any]]],
+) -> dict[str, Any]:  # fmt: skip
+    rows = [{"endpoint": c.endpoint, "class": c.cls, "concurrency": c.concurrency,
+             "client_bound": client_bound(s, st), **s} for c, s in cells]  # fmt: skip
+    knees = []
+    for endpoint in dict.fromkeys(r["endpoint"] for r in rows):
+        for cls in suite.names():
+            levels = [(r["concurrency"], r["output_throughput"] or 0.0, r["e2e_ms"]["p95"] or 0.0)
+                      for r in rows if r["endpoint"] == endpoint and r["class"] == cls]  # fmt: skip
+            if levels:
+                knees.append({"endpoint": endpoint, "class": cls, **knee(levels)})
+    return {
+        "label": label,
+        "created": started,
+        "finished": datetime.now(UTC).isoformat(timespec="seconds"),
+        "settings": {
+            "levels": list(plan.levels),
+            "repeat": plan.repeat,
+            "warmup": plan.warmup,
+            "rate": plan.rate,
+            "seed": plan.seed,
+            "guided": guided,
+            "classes": {
+                c.name: {
+                    "max_tokens": c.max_tokens,
+                    "prompts": len(c.prompts),
+                    "schema": c.schema is not None,
+                }
+                for c in suite.classes
+            },
+        },
+        "selftest": st,
+        "endpoints": endpoints,
+        "cells": rows,
+        "knees": knees,
+        "requests": [r.to_json() for c, _s in cells for r in c.records],
+    }
+
+
+def output_folder(outputs: Path, label: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in label)[:60]
+    return outputs / f"bench-{safe}-{stamp}"

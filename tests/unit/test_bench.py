@@ -1,0 +1,154 @@
+"""The benchmark's pure parts: percentiles, knees, sample warnings, suites, endpoints, compare,
+and one sweep over the in-process simulator (records built from real streamed completions)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batchrun.backends import OpenAICompatBackend
+from batchrun.bench import compare, report
+from batchrun.bench.load import LoadPlan, sweep
+from batchrun.bench.metrics import RequestRecord, knee, percentile, summarize
+from batchrun.bench.run import parse_endpoint
+from batchrun.bench.selftest import client_bound
+from batchrun.bench.suite import builtin_suite, load_suite, request_body, select
+from batchrun.config import resolve
+from batchrun.errors import UsageError
+from batchrun.sim import SimConfig, SimModel, SimTransport
+
+
+def test_nearest_rank_percentiles() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 0.5) == 50
+    assert percentile(values, 0.95) == 95
+    assert percentile(values, 0.99) == 99
+    assert percentile([3.0, 1.0, 2.0], 0.99) == 3.0  # with 3 samples, P99 is the maximum
+    assert percentile([], 0.5) is None
+
+
+def test_knee_is_the_last_level_that_still_bought_throughput() -> None:
+    levels = [(1, 100.0, 50.0), (2, 200.0, 52.0), (4, 390.0, 55.0), (8, 400.0, 110.0),
+              (16, 405.0, 230.0)]  # fmt: skip
+    found = knee(levels)
+    assert found["concurrency"] == 4 and "4 -> 8" in found["reason"]
+    growing = knee([(1, 100.0, 50.0), (2, 190.0, 51.0), (4, 380.0, 53.0)])
+    assert growing["concurrency"] == 4 and "still growing" in growing["reason"]
+    # a flat step whose latency does not rise is not a knee yet
+    assert knee([(1, 100.0, 60.0), (2, 105.0, 50.0), (4, 300.0, 55.0)])["concurrency"] == 4
+
+
+def _record(ok: bool = True, **fields: Any) -> RequestRecord:
+    base: dict[str, Any] = {"endpoint": "e", "cls": "short", "concurrency": 1, "ok": ok,
+                            "started_s": 0.0, "e2e_ms": 100.0}  # fmt: skip
+    return RequestRecord(**{**base, **fields})
+
+
+def test_a_cell_summary_counts_tokens_errors_and_warns_about_few_samples() -> None:
+    records = [_record(ttft_ms=10.0, tpot_ms=2.0, itl_ms=[2.0, 3.0], output_tokens=20, chunks=20,
+                       schema_valid=True) for _ in range(9)]  # fmt: skip
+    records.append(_record(ok=False, error_code="503"))
+    records.append(_record(ttft_ms=12.0, output_tokens=10, schema_valid=False, chunks=10))
+    cell = summarize(records, wall_s=2.0)
+    assert cell["requests"] == 11 and cell["succeeded"] == 10
+    assert cell["errors"] == {"503": 1}
+    assert cell["output_throughput"] == pytest.approx(190 / 2.0)
+    assert cell["request_throughput"] == pytest.approx(5.0)
+    assert cell["schema_valid_rate"] == pytest.approx(0.9)
+    assert cell["itl_ms"]["n"] == 18 and cell["ttft_ms"]["p50"] == 10.0
+    assert cell["warnings"] == [
+        "P95 from 10 samples is the maximum (needs 20 or more)",
+        "P99 from 10 samples is the maximum (needs 100 or more)",
+    ]
+    row = report.csv_row({"endpoint": "e", "class": "short", "concurrency": 1,
+                          "client_bound": False, **cell})  # fmt: skip
+    assert row["errors"] == "503:1" and row["ttft_p50_ms"] == 10.0
+
+
+def test_builtin_suite_is_deterministic_and_has_four_classes() -> None:
+    a, b = builtin_suite(), builtin_suite()
+    assert a.names() == ["short", "summary", "code", "json"]
+    assert [c.prompts for c in a.classes] == [c.prompts for c in b.classes]
+    assert {c.name: c.max_tokens for c in a.classes} == {
+        "short": 128, "summary": 1024, "code": 1024, "json": 128}  # fmt: skip
+    body = request_body(a.classes[0], 3, "m", seed=7)
+    assert body["temperature"] == 0.2 and body["top_p"] == 0.9 and body["seed"] == 7
+    assert select(a, ["json"], 32).classes[0].max_tokens == 32
+    with pytest.raises(UsageError, match="unknown class"):
+        select(a, ["poetry"], None)
+
+
+def test_a_user_suite_is_read_by_class_and_bad_lines_are_named(tmp_path: Path) -> None:
+    path = tmp_path / "suite.jsonl"
+    path.write_text('{"class": "faq", "prompt": "a?", "max_tokens": 40}\n'
+                    '{"class": "faq", "prompt": "b?"}\n\n'
+                    '{"class": "ids", "prompt": "x", "schema": {"type": "object"}}\n')  # fmt: skip
+    suite = load_suite(path)
+    assert suite.names() == ["faq", "ids"]
+    assert suite.classes[0].prompts == ("a?", "b?") and suite.classes[0].max_tokens == 40
+    assert suite.classes[1].schema == {"type": "object"}
+    path.write_text('{"class": "faq", "prompt": "a?"}\n{"prompt": "no class"}\n')
+    with pytest.raises(UsageError, match="line 2: needs a 'class'"):
+        load_suite(path)
+    path.write_text('{"class": "x", "prompt": "a", "schema": {"type": 5}}\n')
+    with pytest.raises(UsageError, match="line 1: 'schema' is not a valid JSON Schema"):
+        load_suite(path)
+
+
+def test_endpoints_are_parsed_with_model_and_key_variable() -> None:
+    endpoint = parse_endpoint("gpu-a=http://10.0.0.5:8000/v1,model=m1,key=GPU_KEY", resolve)
+    assert endpoint.name == "gpu-a"
+    assert endpoint.spec.base_url == "http://10.0.0.5:8000/v1"
+    assert (endpoint.spec.model, endpoint.spec.api_key_env) == ("m1", "GPU_KEY")
+    for bad in ("no-url", "=http://x", "a=http://x,colour=red"):
+        with pytest.raises(UsageError, match="--endpoint"):
+            parse_endpoint(bad, resolve)
+
+
+def test_cells_near_the_clients_own_limit_are_flagged() -> None:
+    selftest = {"request_throughput": 400.0, "chunk_rate": 6000.0}
+    assert client_bound({"request_throughput": 250.0, "chunk_rate": 100.0}, selftest)
+    assert client_bound({"request_throughput": 5.0, "chunk_rate": 3500.0}, selftest)
+    assert not client_bound({"request_throughput": 50.0, "chunk_rate": 800.0}, selftest)
+    assert not client_bound({"request_throughput": 250.0, "chunk_rate": 1.0}, None)
+
+
+def _results(label: str, tps: float) -> dict[str, Any]:
+    cell = summarize([_record(ttft_ms=10.0, output_tokens=int(tps)) for _ in range(2)], 2.0)
+    return {"label": label, "endpoints": [{"name": label}],
+            "cells": [{"endpoint": label, "class": "short", "concurrency": 4, **cell}]}  # fmt: skip
+
+
+def test_compare_gives_b_over_a_for_cells_both_runs_have() -> None:
+    rows = compare.ratios(_results("a", 100), _results("b", 150))
+    assert len(rows) == 1 and rows[0]["out tok/s"][2] == pytest.approx(1.5)
+    text = compare.render("a", "b", rows)
+    assert "1.50x" in text and "short" in text
+    other = _results("b", 150)
+    other["cells"][0]["concurrency"] = 8
+    with pytest.raises(UsageError, match="no class and concurrency level in common"):
+        compare.ratios(_results("a", 100), other)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.anyio
+async def test_a_sweep_over_the_simulator_records_every_request(anyio_backend: str) -> None:
+    config = SimConfig(min_output_tokens=12, max_output_tokens=12)
+    backend = OpenAICompatBackend("http://sim.test/v1", transport=SimTransport(SimModel(config)))
+    suite = select(builtin_suite(), ["short", "json"], 64)
+    plan = LoadPlan(levels=(1, 3), repeat=4, warmup=1, model="sim-1")
+    try:
+        cells = await sweep(backend, "sim", suite, plan)
+    finally:
+        await backend.aclose()
+    assert [(c.cls, c.concurrency, len(c.records)) for c in cells] == [
+        ("short", 1, 4), ("short", 3, 4), ("json", 1, 4), ("json", 3, 4)]  # fmt: skip
+    short = [r for c in cells if c.cls == "short" for r in c.records]
+    assert all(r.ok and r.output_tokens == 12 and r.tokens_from == "usage" for r in short)
+    assert all(r.ttft_ms is not None and len(r.itl_ms) == 11 for r in short)
+    extraction = [r for c in cells if c.cls == "json" for r in c.records]
+    assert all(r.schema_valid for r in extraction)  # guided: the simulator obeys the schema
+    json.dumps([r.to_json() for r in short])  # records are plain JSON
