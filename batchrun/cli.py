@@ -19,7 +19,8 @@ from batchrun import __version__, jobs
 from batchrun.cli_bench import bench
 from batchrun.cli_errors import errors_to_exit_codes, say
 from batchrun.cli_sim import sim
-from batchrun.config import PRESETS, RunSpec, load_spec_file
+from batchrun.config import PRESETS, RunSpec, load_spec_file, resolve
+from batchrun.doctor import diagnose, ready, render
 from batchrun.errors import UsageError
 from batchrun.jobs import Home
 from batchrun.ledger import Ledger
@@ -320,6 +321,25 @@ def retry(ctx: Context, job_name: str) -> None:
     job = _job(ctx, job_name)
     count = ctx.ledger.requeue(job.name)
     say(f"{count} item(s) of {job.name} back to pending; run `batchrun resume {job.name}`")
+
+
+@main.command()
+@click.option("--backend", type=click.Choice(sorted(PRESETS)), help="Server preset.")
+@click.option("--base-url", help="OpenAI-compatible base URL.")
+@click.option("--model", help="Model to check [default: the first one the server lists].")
+@click.option("--api-key-env", help="NAME of the environment variable holding the API key.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Seconds [120].")
+@errors_to_exit_codes
+def doctor(**options: Any) -> None:
+    """Probe an endpoint: reachable, key, model, chat/completions, streaming, usage, JSON mode."""
+    spec = resolve({k: v for k, v in options.items() if v is not None})
+    say(f"checking {spec.backend} at {spec.base_url} ...")
+    checks = anyio.run(diagnose, spec)
+    click.echo(render(checks))
+    if not ready(checks):
+        say("not ready: fix the FAIL lines marked above before running a job")
+        sys.exit(jobs.EXIT_ABORTED)
+    say("ready: a job can run against this endpoint")
 
 
 main.add_command(sim)

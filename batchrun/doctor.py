@@ -1,0 +1,166 @@
+"""`batchrun doctor`: probe an endpoint before a night's run is committed to it.
+
+Each check sends at most one small request (max_tokens 16) and says what works: reachable, key
+accepted, model listed, chat and completions answered, streaming with time to first token,
+usage reported (streamed and not), and whether JSON Schema constrained decoding is accepted and
+enforced in the preset's style.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from batchrun.backends import Backend, Completion, CompletionRequest, Transport
+from batchrun.config import RunSpec, preset_for
+from batchrun.errors import AuthFailed, BadRequest, ConnectionFailed, RequestError, UsageError
+from batchrun.jobs import build_backend
+from batchrun.validate import SchemaCheck, response_format
+
+PROBE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"answer": {"type": "string"}},
+    "required": ["answer"],
+}
+MESSAGES = [{"role": "user", "content": "Say hello in one short sentence."}]
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool | None  # None: could not be checked (an earlier check failed)
+    detail: str
+    essential: bool = False  # a job cannot run without it
+
+
+async def diagnose(spec: RunSpec, transport: Transport | None = None) -> list[Check]:
+    checks: list[Check] = []
+    try:
+        backend = build_backend(spec, transport)
+    except UsageError as exc:
+        return [Check("API key", False, str(exc), essential=True)]
+    try:
+        models = await _models(backend, spec, checks)
+        if models is None:
+            return checks
+        model = spec.model or (models[0] if models else None)
+        if spec.model and models and spec.model not in models:
+            checks.append(Check("model", False, f"{spec.model!r} is not among the listed "
+                                f"models: {', '.join(models[:10])}", essential=True))  # fmt: skip
+            return checks
+        detail = model or "the server lists no models; give --model"
+        checks.append(Check("model", model is not None, detail, essential=True))
+        defaults = {"model": model, "max_tokens": 16} if model else {"max_tokens": 16}
+        await _chat(backend, spec, defaults, transport, checks)
+        await _completions(spec, defaults, transport, checks)
+        await _guided(backend, spec, defaults, checks)
+    finally:
+        await backend.aclose()
+    return checks
+
+
+async def _models(backend: Backend, spec: RunSpec, checks: list[Check]) -> list[str] | None:
+    try:
+        models = await backend.list_models()
+    except ConnectionFailed as exc:
+        checks.append(Check("reachable", False, str(exc), essential=True))
+        return None
+    except AuthFailed as exc:
+        checks.append(Check("reachable", True, spec.base_url, essential=True))
+        checks.append(Check("API key", False, str(exc), essential=True))
+        return None
+    except RequestError as exc:
+        checks.append(Check("reachable", False, f"GET /models: {exc}", essential=True))
+        return None
+    checks.append(Check("reachable", True, spec.base_url, essential=True))
+    key = spec.api_key_env
+    detail = f"accepted ({key})" if spec.api_key() else "none sent (none needed here)"
+    checks.append(Check("API key", True, detail, essential=True))
+    return models
+
+
+async def _send(backend: Backend, endpoint: str, body: dict[str, Any]) -> Completion | str:
+    try:
+        return await backend.complete(CompletionRequest(endpoint, body))
+    except RequestError as exc:
+        return str(exc)
+
+
+async def _chat(
+    backend: Backend, spec: RunSpec, defaults: dict[str, Any], transport: Transport | None,
+    checks: list[Check],
+) -> None:  # fmt: skip
+    plain = build_backend(replace(spec, stream=False), transport)
+    try:
+        answer = await _send(plain, "chat", {**defaults, "messages": MESSAGES})
+    finally:
+        await plain.aclose()
+    if isinstance(answer, str):
+        checks.append(Check("chat", False, answer, essential=True))
+        return
+    checks.append(Check("chat", True, f"{answer.latency_s * 1000:.0f} ms: {answer.text[:60]!r}",
+                        essential=True))  # fmt: skip
+    checks.append(_usage_check("usage (not streamed)", answer))
+    streamed = await _send(backend, "chat", {**defaults, "messages": MESSAGES})
+    if isinstance(streamed, str):
+        checks.append(Check("streaming", False, streamed))
+        return
+    ttft = "-" if streamed.ttft_s is None else f"{streamed.ttft_s * 1000:.0f} ms"
+    note = "" if getattr(backend, "stream_options", True) else "; refuses stream_options"
+    checks.append(Check("streaming", True, f"time to first token {ttft}{note}"))
+    checks.append(_usage_check("usage (streamed)", streamed))
+
+
+def _usage_check(name: str, c: Completion) -> Check:
+    if c.completion_tokens is None:
+        return Check(name, False, "not reported: token counts will be missing")
+    return Check(name, True, f"{c.prompt_tokens} prompt + {c.completion_tokens} completion")
+
+
+async def _completions(
+    spec: RunSpec, defaults: dict[str, Any], transport: Transport | None, checks: list[Check]
+) -> None:
+    backend = build_backend(replace(spec, stream=False), transport)
+    try:
+        answer = await _send(backend, "completions", {**defaults, "prompt": "Once upon a time"})
+    finally:
+        await backend.aclose()
+    ok = not isinstance(answer, str)
+    checks.append(Check("completions", ok, "answered" if ok else str(answer)))
+
+
+async def _guided(
+    backend: Backend, spec: RunSpec, defaults: dict[str, Any], checks: list[Check]
+) -> None:
+    style = preset_for(spec).guided_style
+    body = {**defaults, "max_tokens": 64, "messages": MESSAGES,
+            "response_format": response_format(style, PROBE_SCHEMA)}  # fmt: skip
+    try:
+        answer = await backend.complete(CompletionRequest("chat", body))
+    except BadRequest as exc:
+        checks.append(Check("JSON schema", False, f"refused ({style}): {exc}"))
+        return
+    except RequestError as exc:
+        checks.append(Check("JSON schema", False, str(exc)))
+        return
+    verdict = SchemaCheck(PROBE_SCHEMA).check(answer.text, answer.finish_reason)
+    if verdict.ok:
+        checks.append(Check("JSON schema", True, f"accepted and enforced ({style})"))
+    else:
+        checks.append(Check("JSON schema", False, f"accepted ({style}) but the answer did not "
+                            f"validate: {verdict.error}"))  # fmt: skip
+
+
+def render(checks: list[Check]) -> str:
+    marks = {True: "ok  ", False: "FAIL", None: "-   "}
+    return "\n".join(f"{marks[c.ok]}  {c.name:<22} {c.detail}" for c in checks)
+
+
+def ready(checks: list[Check]) -> bool:
+    """Whether a job could run: every essential check passed."""
+    essential = [c for c in checks if c.essential]
+    return (
+        bool(essential)
+        and all(c.ok for c in essential)
+        and any(c.name == "chat" for c in essential)
+    )

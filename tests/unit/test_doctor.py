@@ -1,0 +1,61 @@
+"""`batchrun doctor`'s checks against simulated servers with and without each feature."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchrun.config import resolve
+from batchrun.doctor import diagnose, ready, render
+from batchrun.sim import SimConfig, SimModel, SimTransport
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def _checks(config: SimConfig, **spec: object) -> dict[str, tuple[bool | None, str]]:
+    found = await diagnose(resolve({"base_url": "http://sim.test/v1", **spec}),
+                           SimTransport(SimModel(config)))  # fmt: skip
+    assert render(found)
+    return {c.name: (c.ok, c.detail) for c in found}
+
+
+@pytest.mark.anyio
+async def test_a_full_featured_server_passes_every_check() -> None:
+    checks = await _checks(SimConfig())
+    assert all(ok for ok, _ in checks.values()), checks
+    assert list(checks) == [
+        "reachable", "API key", "model", "chat", "usage (not streamed)", "streaming",
+        "usage (streamed)", "completions", "JSON schema",
+    ]  # fmt: skip
+    assert checks["JSON schema"][1] == "accepted and enforced (json_schema)"
+
+
+@pytest.mark.anyio
+async def test_a_server_refusing_response_format_is_reported_but_still_ready() -> None:
+    refusing = SimTransport(SimModel(SimConfig(refuse_response_format=True)))
+    found = await diagnose(resolve({"base_url": "http://sim.test/v1"}), refusing)
+    checks = {c.name: c for c in found}
+    assert checks["JSON schema"].ok is False and "refused" in checks["JSON schema"].detail
+    assert ready(found)
+
+
+@pytest.mark.anyio
+async def test_a_wrong_key_and_an_unknown_model_are_not_ready(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DOCTOR_KEY", "wrong-key-123")
+    found = await diagnose(
+        resolve({"base_url": "http://sim.test/v1", "api_key_env": "DOCTOR_KEY"}),
+        SimTransport(SimModel(SimConfig(api_key="right-key-456"))),
+    )
+    assert [(c.name, c.ok) for c in found] == [("reachable", True), ("API key", False)]
+    assert not ready(found)
+    assert "wrong-key-123" not in render(found)
+    found = await diagnose(
+        resolve({"base_url": "http://sim.test/v1", "model": "nope"}),
+        SimTransport(SimModel(SimConfig(strict_models=True))),
+    )
+    model = next(c for c in found if c.name == "model")
+    assert model.ok is False and "sim-1" in model.detail and not ready(found)
