@@ -61,6 +61,11 @@ class StreamCut(TransientError):
     """A streamed answer ended before its final chunk, or a 200 carried no usable body."""
 
 
+class EmptyStream(StreamCut):
+    """A 200 event stream that closed without a single event: llama-cpp-python's answer to a
+    prompt it cannot take (the reason goes only to its own log)."""
+
+
 class PermanentError(RequestError):
     """Retrying the same request cannot help; the item fails at once."""
 

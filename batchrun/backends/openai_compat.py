@@ -22,6 +22,7 @@ from batchrun.backends.pool import ShardedTransport
 from batchrun.errors import (
     BadRequest,
     ConnectionFailed,
+    EmptyStream,
     Overloaded,
     RequestError,
     RequestTimeout,
@@ -95,13 +96,22 @@ class OpenAICompatBackend:
                     self.stream_options = False  # this server refuses it; ask without it
                     return await self._complete_once(request)
                 raise
+            except EmptyStream:
+                # Ask once more without streaming: a server that says nothing in a stream
+                # says why in a plain answer (a 400 naming the context limit, say).
+                try:
+                    return await self._complete_once(request, stream=False)
+                except ConnectionFailed:  # it closed the connection the stream came on
+                    return await self._complete_once(request, stream=False)
         except RequestError as exc:
             raise self._scrub(exc) from None
 
-    async def _complete_once(self, request: CompletionRequest) -> Completion:
+    async def _complete_once(
+        self, request: CompletionRequest, *, stream: bool | None = None
+    ) -> Completion:
         url = self.base_url + ENDPOINT_PATHS[request.endpoint]
         body = dict(request.body)
-        if self.stream:
+        if self.stream if stream is None else stream:
             body["stream"] = True
             if self.stream_options:
                 body["stream_options"] = {"include_usage": True}
@@ -139,9 +149,11 @@ class OpenAICompatBackend:
         saw_choice = False
         # Read to the end rather than break at [DONE]: servers close the body right after it,
         # and a generator left half-read costs a finaliser task per layer of httpx's stream.
+        events = 0
         async for line in resp.aiter_lines():
             if done or not line.startswith("data:"):
                 continue
+            events += 1
             data = line[5:].strip()
             if data == "[DONE]":
                 done = True
@@ -169,6 +181,8 @@ class OpenAICompatBackend:
                     pieces.append(piece)
                 if choice.get("finish_reason"):
                     finish = choice["finish_reason"]
+        if not events:
+            raise EmptyStream("the event stream closed without a single event")
         if not saw_choice:
             raise StreamCut("stream carried no choices")
         if not done and finish is None:

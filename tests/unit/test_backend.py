@@ -656,3 +656,33 @@ async def test_a_key_cut_off_by_the_message_limit_is_still_scrubbed() -> None:
         await backend.complete(CompletionRequest("chat", {"messages": []}))
     await backend.aclose()
     assert key[:8] not in str(caught.value)
+
+
+@pytest.mark.anyio
+async def test_an_empty_event_stream_is_asked_again_unstreamed_to_learn_why() -> None:
+    """llama-cpp-python answers a prompt over its context with an empty 200 stream; the plain
+    request that follows gets the 400 with the server's reason."""
+    bodies: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = orjson.loads(request.content)
+        bodies.append(body)
+        if body.get("stream"):
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b"")
+        return httpx.Response(400, json={"error": {"message": "maximum context length is 512"}})
+
+    error = await fails_with(mock_backend(handler), chat("word " * 900))
+    assert isinstance(error, BadRequest) and "maximum context length is 512" in str(error)
+    assert [b.get("stream", False) for b in bodies] == [True, False]
+
+
+@pytest.mark.anyio
+async def test_a_stream_with_events_but_no_choices_is_a_cut_stream_not_asked_again() -> None:
+    calls: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        return sse({"choices": []})
+
+    error = await fails_with(mock_backend(handler), chat())
+    assert isinstance(error, StreamCut) and "no choices" in str(error) and len(calls) == 1
