@@ -13,7 +13,14 @@ from typing import Any
 
 from batchrun.backends import Backend, Completion, CompletionRequest, Transport
 from batchrun.config import RunSpec, preset_for
-from batchrun.errors import AuthFailed, BadRequest, ConnectionFailed, RequestError, UsageError
+from batchrun.errors import (
+    AuthFailed,
+    BadRequest,
+    ConnectionFailed,
+    NotFound,
+    RequestError,
+    UsageError,
+)
 from batchrun.jobs import build_backend
 from batchrun.validate import SchemaCheck, response_format
 
@@ -69,6 +76,10 @@ async def _models(backend: Backend, spec: RunSpec, checks: list[Check]) -> list[
         checks.append(Check("reachable", True, spec.base_url, essential=True))
         checks.append(Check("API key", False, str(exc), essential=True))
         return None
+    except NotFound:  # no model list here; chat may still work with --model
+        checks.append(Check("reachable", True, f"{spec.base_url} (no /models: 404)",
+                            essential=True))  # fmt: skip
+        return []
     except RequestError as exc:
         checks.append(Check("reachable", False, f"GET /models: {exc}", essential=True))
         return None

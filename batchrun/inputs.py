@@ -330,12 +330,10 @@ def _plain_shape(
                 body[key] = value
             elif key not in _PLAIN_KEYS:
                 meta[key] = value
-    if SCHEMA_KEY in meta:
+    if isinstance(meta.get(SCHEMA_KEY), dict):  # anything else under that name stays meta
         if "response_format" in body:
             raise _LineProblem("has both 'schema' and 'response_format'; give one")
         body["response_format"] = response_format("json_schema", meta.pop(SCHEMA_KEY))
-        if schema_of(body["response_format"]) is None:
-            raise _LineProblem("'schema' must be a JSON object (a JSON Schema)")
     if "messages" in obj:
         if "prompt" in obj:
             raise _LineProblem("has both 'prompt' and 'messages'; give one")

@@ -82,6 +82,7 @@ def openai_record(row: dict[str, Any], model: str | None) -> dict[str, Any]:
             "body": {
                 "id": request_id,
                 "object": "chat.completion" if chat else "text_completion",
+                "created": int(row["updated_at"]),  # when the answer was recorded
                 "model": model,
                 "choices": [choice],
                 "usage": {

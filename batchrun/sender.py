@@ -110,21 +110,30 @@ class Sender:
             except FatalError as exc:
                 self._fatal(exc)
                 return None
-            except BadRequest as exc:
-                if plan.guided:  # maybe the schema, not the prompt: try once without it
+            except RequestError as exc:
+                if isinstance(exc, BadRequest) and plan.guided:
+                    # maybe the schema, not the prompt: try once without it
                     plan.unguided, refusal = True, str(exc)
                     continue
+                kept = plan.give_up(str(exc))  # a failed follow-up leaves the answer it had
+                if kept is not None and plan.last is not None:
+                    return self._result(item, attempts, plan.last, kept, plan)
                 return ItemResult(line=item.line, status="failed", attempts=attempts,
                                   error=str(exc))  # fmt: skip
-            except RequestError as exc:
-                return ItemResult(line=item.line, status="failed", attempts=attempts,
-                                  error=str(exc))  # fmt: skip
-            if refusal is not None and self.rules.guided_refused is None:
-                self.rules.guided_refused = self.stats.guided_refused = refusal
-                self.log.event("guided_refused", error=refusal)
+            if refusal is not None:
+                self._refused(plan, refusal)
+                refusal = None
             outcome = plan.judge(completion)
             if outcome is not None:
                 return self._result(item, attempts, completion, outcome, plan)
+
+    def _refused(self, plan: AnswerPlan, error: str) -> None:
+        """The server took the request without response_format after a 400 with it: that
+        schema goes unguided from now on, said once per schema."""
+        assert plan.schema is not None
+        if self.rules.refuse(plan.schema, error):
+            self.stats.guided_refused = self.stats.guided_refused or error
+            self.log.event("guided_refused", error=error)
 
     def _result(
         self, item: ClaimedItem, attempts: int, c: Completion, outcome: Outcome, plan: AnswerPlan

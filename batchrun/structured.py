@@ -18,6 +18,12 @@ import orjson
 from batchrun.backends.base import Completion
 from batchrun.validate import SchemaCheck, repair_body, response_format, schema_of
 
+MAX_LONGER = 12  # doublings: 1 token to 4096 and then some
+
+
+def _add(total: int | None, more: int | None) -> int | None:
+    return more if total is None else total + (more or 0)
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -37,7 +43,9 @@ class OutputRules:
     repair_attempts: int = 1
     retry_longer: bool = False
     max_tokens_cap: int = 4096
-    guided_refused: str | None = None  # the server's 400 once it refused response_format
+    # Schemas (by key) the server refused as response_format, with its 400: those go
+    # unguided from then on; other schemas (another line's, the job's) stay guided.
+    refused: dict[bytes, str] = field(default_factory=dict)
     _checks: dict[bytes, SchemaCheck] = field(default_factory=dict)
 
     def plan(self, endpoint: str, body: dict[str, Any]) -> AnswerPlan:
@@ -45,11 +53,22 @@ class OutputRules:
 
     def check_for(self, schema: dict[str, Any]) -> SchemaCheck:
         """One compiled validator per distinct schema (per-line schemas often repeat)."""
-        key = orjson.dumps(schema, option=orjson.OPT_SORT_KEYS)
+        key = schema_key(schema)
         check = self._checks.get(key)
         if check is None:
             check = self._checks[key] = SchemaCheck(schema)
         return check
+
+    def refuse(self, schema: dict[str, Any], error: str) -> bool:
+        """Note that the server refused this schema; True the first time (to say so once)."""
+        key = schema_key(schema)
+        first = key not in self.refused
+        self.refused.setdefault(key, error)
+        return first
+
+
+def schema_key(schema: dict[str, Any]) -> bytes:
+    return orjson.dumps(schema, option=orjson.OPT_SORT_KEYS)
 
 
 class AnswerPlan:
@@ -68,6 +87,7 @@ class AnswerPlan:
         self.repair_completion_tokens = 0
         self.longer = 0  # retries with a larger max_tokens
         self.usage: tuple[int | None, int | None] = (None, None)  # (prompt, completion) tokens
+        self.last: Completion | None = None  # the latest answer, kept if a follow-up fails
 
     @property
     def guided(self) -> bool:
@@ -75,8 +95,8 @@ class AnswerPlan:
         return (
             self.schema is not None
             and self.rules.guided_style is not None
-            and self.rules.guided_refused is None
             and not self.unguided
+            and schema_key(self.schema) not in self.rules.refused
         )
 
     def request(self) -> dict[str, Any]:
@@ -89,11 +109,13 @@ class AnswerPlan:
 
     def judge(self, completion: Completion) -> Outcome | None:
         """The answer's verdict, or None when another request should be sent (see request())."""
+        self.last = completion
         if self.repairs:
             self.repair_prompt_tokens += completion.prompt_tokens or 0
             self.repair_completion_tokens += completion.completion_tokens or 0
-        else:  # the item's own ask (or its longer retry): its usage is the item's usage
-            self.usage = (completion.prompt_tokens, completion.completion_tokens)
+        else:  # the item's own ask and its longer retries: all of it is the item's usage
+            self.usage = (_add(self.usage[0], completion.prompt_tokens),
+                          _add(self.usage[1], completion.completion_tokens))  # fmt: skip
         if completion.finish_reason == "length" and self._grow_max_tokens(completion):
             return None
         if self.check is None:
@@ -109,14 +131,29 @@ class AnswerPlan:
             return None
         return Outcome("invalid", verdict.parsed, verdict.error)
 
+    def give_up(self, error: str) -> Outcome | None:
+        """A follow-up (repair, longer retry) failed: the last answer stands, judged as it is.
+        None when there is no answer yet (the item's own request failed)."""
+        if self.last is None:
+            return None
+        if self.check is None:
+            return Outcome("done", None, None)
+        verdict = self.check.check(self.last.text, self.last.finish_reason)
+        if verdict.ok:
+            return Outcome("done", verdict.parsed, None)
+        return Outcome("invalid", verdict.parsed, f"{verdict.error} (then: {error})")
+
     def _grow_max_tokens(self, completion: Completion) -> bool:
-        if not self.rules.retry_longer:
+        if not self.rules.retry_longer or self.longer >= MAX_LONGER:
             return False
         key = "max_completion_tokens" if "max_completion_tokens" in self._body else "max_tokens"
         current = self._body.get(key) or completion.completion_tokens
         cap = self.rules.max_tokens_cap
-        if not isinstance(current, int) or current >= cap:
+        if not isinstance(current, int) or current < 1 or current >= cap:
             return False
+        used = completion.completion_tokens
+        if used is not None and used < current:
+            return False  # cut short of max_tokens: the context was full, more will not fit
         self._body = {**self._body, key: min(cap, current * 2)}
         self.longer += 1
         return True

@@ -128,9 +128,10 @@ async def _drive(
                 tg.start_soon(worker)
         else:
             arrivals = random.Random(seed)
-            for i in indexes:
+            for n, i in enumerate(indexes):
+                if n:  # the first arrives at once; each next after an exponential gap
+                    await anyio.sleep(arrivals.expovariate(rate))
                 tg.start_soon(one, i)
-                await anyio.sleep(arrivals.expovariate(rate))
     return records
 
 

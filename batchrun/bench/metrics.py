@@ -110,20 +110,26 @@ def sample_warnings(cell: dict[str, Any]) -> list[str]:
     ]
 
 
-def knee(levels: list[tuple[int, float, float]]) -> dict[str, Any]:
-    """The recommended concurrency from (concurrency, output tok/s, P95 E2E ms) per level: the
-    last level before throughput grows by less than 10% while P95 latency keeps rising."""
+def knee(levels: list[tuple[int, float, float | None, float]]) -> dict[str, Any]:
+    """The recommended concurrency from (concurrency, output tok/s, P95 E2E ms, success rate)
+    per level: the last level before throughput grows by less than 10% while P95 latency keeps
+    rising, or before requests start failing."""
     ordered = sorted(levels)
     if not ordered:
         return {"concurrency": None, "reason": "no levels measured"}
-    for (c, tps, p95), (c_next, tps_next, p95_next) in itertools.pairwise(ordered):
+    if ordered[0][3] == 0:
+        return {"concurrency": None, "reason": f"every request failed at {ordered[0][0]}"}
+    for (c, tps, p95, ok), (c_next, tps_next, p95_next, ok_next) in itertools.pairwise(ordered):
+        if ok_next < ok or p95_next is None:
+            return {"concurrency": c, "reason": f"{c} -> {c_next}: success rate "
+                    f"{ok:.0%} -> {ok_next:.0%}"}  # fmt: skip
+        assert p95 is not None
         if tps_next < tps * KNEE_GAIN and p95_next > p95:
+            gain = f"{tps_next / tps - 1:+.0%}" if tps > 0 else "none"
             return {
                 "concurrency": c,
-                "reason": f"{c} -> {c_next}: throughput {tps_next / tps - 1:+.0%} "
-                f"(under {KNEE_GAIN - 1:.0%}), P95 latency {p95_next / p95 - 1:+.0%}"
-                if tps > 0 and p95 > 0
-                else f"{c} -> {c_next}: no throughput gained",
+                "reason": f"{c} -> {c_next}: throughput {gain} (under {KNEE_GAIN - 1:.0%}), "
+                f"P95 latency {p95_next / p95 - 1:+.0%}",
             }
     return {
         "concurrency": ordered[-1][0],

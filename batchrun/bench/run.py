@@ -103,7 +103,8 @@ def _results(
     knees = []
     for endpoint in dict.fromkeys(r["endpoint"] for r in rows):
         for cls in suite.names():
-            levels = [(r["concurrency"], r["output_throughput"] or 0.0, r["e2e_ms"]["p95"] or 0.0)
+            levels = [(r["concurrency"], r["output_throughput"] or 0.0, r["e2e_ms"]["p95"],
+                       r["success_rate"] or 0.0)
                       for r in rows if r["endpoint"] == endpoint and r["class"] == cls]  # fmt: skip
             if levels:
                 knees.append({"endpoint": endpoint, "class": cls, **knee(levels)})

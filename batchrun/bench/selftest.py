@@ -17,6 +17,7 @@ from batchrun.backends import OpenAICompatBackend
 from batchrun.bench.load import LoadPlan, run_cell
 from batchrun.bench.metrics import summarize
 from batchrun.bench.suite import BenchClass
+from batchrun.errors import UsageError
 
 CLIENT_BOUND_SHARE = 0.5
 SIM_ARGS = ["--ttft-ms", "0", "--tpot-ms", "0", "--min-output-tokens", "16",
@@ -34,7 +35,9 @@ def _start_sim() -> tuple[subprocess.Popen[str], str]:
     line = proc.stdout.readline()  # "batchrun sim: serving http://127.0.0.1:PORT/v1 ..."
     if "serving" not in line:
         proc.kill()
-        raise RuntimeError("the built-in simulator did not start for the client self-test")
+        raise UsageError(
+            "the built-in simulator did not start for the client self-test; run with --no-self-test"
+        )
     return proc, line.split()[3]
 
 

@@ -31,14 +31,24 @@ def test_nearest_rank_percentiles() -> None:
 
 
 def test_knee_is_the_last_level_that_still_bought_throughput() -> None:
-    levels = [(1, 100.0, 50.0), (2, 200.0, 52.0), (4, 390.0, 55.0), (8, 400.0, 110.0),
-              (16, 405.0, 230.0)]  # fmt: skip
+    levels = [(1, 100.0, 50.0, 1.0), (2, 200.0, 52.0, 1.0), (4, 390.0, 55.0, 1.0),
+              (8, 400.0, 110.0, 1.0), (16, 405.0, 230.0, 1.0)]  # fmt: skip
     found = knee(levels)
     assert found["concurrency"] == 4 and "4 -> 8" in found["reason"]
-    growing = knee([(1, 100.0, 50.0), (2, 190.0, 51.0), (4, 380.0, 53.0)])
+    growing = knee([(1, 100.0, 50.0, 1.0), (2, 190.0, 51.0, 1.0), (4, 380.0, 53.0, 1.0)])
     assert growing["concurrency"] == 4 and "still growing" in growing["reason"]
     # a flat step whose latency does not rise is not a knee yet
-    assert knee([(1, 100.0, 60.0), (2, 105.0, 50.0), (4, 300.0, 55.0)])["concurrency"] == 4
+    flat = [(1, 100.0, 60.0, 1.0), (2, 105.0, 50.0, 1.0), (4, 300.0, 55.0, 1.0)]
+    assert knee(flat)["concurrency"] == 4
+
+
+def test_knee_stops_before_a_level_where_requests_fail() -> None:
+    timeouts = [(1, 100.0, 50.0, 1.0), (4, 390.0, 55.0, 1.0), (8, 0.0, None, 0.0)]
+    found = knee(timeouts)
+    assert found["concurrency"] == 4 and "success rate 100% -> 0%" in found["reason"]
+    some = [(1, 100.0, 50.0, 1.0), (4, 390.0, 55.0, 1.0), (8, 700.0, 60.0, 0.5)]
+    assert knee(some)["concurrency"] == 4
+    assert knee([(1, 0.0, None, 0.0)])["concurrency"] is None
 
 
 def _record(ok: bool = True, **fields: Any) -> RequestRecord:
@@ -151,4 +161,5 @@ async def test_a_sweep_over_the_simulator_records_every_request(anyio_backend: s
     assert all(r.ttft_ms is not None and len(r.itl_ms) == 11 for r in short)
     extraction = [r for c in cells if c.cls == "json" for r in c.records]
     assert all(r.schema_valid for r in extraction)  # guided: the simulator obeys the schema
-    json.dumps([r.to_json() for r in short])  # records are plain JSON
+    again = json.loads(json.dumps([r.to_json() for r in short]))  # records are plain JSON
+    assert again[0]["output_tokens"] == 12 and again[0]["cls"] == "short"

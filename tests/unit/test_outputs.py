@@ -32,6 +32,7 @@ def make_row(**overrides: Any) -> dict[str, Any]:
         "meta": '{"source": "crm", "n": 3}',
         "digest": DIGEST,
         "endpoint": "chat",
+        "updated_at": 1796000000.25,
     }
     row.update(overrides)
     return row
@@ -179,6 +180,7 @@ def test_openai_done_chat(tmp_path: Path) -> None:
     assert response["request_id"]
     body = response["body"]
     assert body["object"] == "chat.completion"
+    assert body["created"] == 1796000000
     assert body["model"] == "gemma-31b"
     assert body["choices"] == [
         {

@@ -22,7 +22,7 @@ from batchrun.ledger import Ledger
 from batchrun.sim import SimConfig, SimModel, SimTransport
 from batchrun.sim.json_answers import instance, json_text
 from batchrun.status import job_detail, render_detail
-from batchrun.structured import OutputRules
+from batchrun.structured import Outcome, OutputRules
 from batchrun.validate import SchemaCheck, extract_json
 from tests.unit.test_runner import FakeTime, rows, run
 
@@ -322,8 +322,9 @@ async def test_status_shows_invalid_counts_and_commonest_errors_and_retry_requeu
     job = ledger.get_job("j")
     assert job is not None
     detail = job_detail(ledger, job)
-    assert detail["top_invalid"][0]["count"] <= counts["invalid"]
-    assert sum(e["count"] for e in detail["top_invalid"]) == counts["invalid"]
+    # every violating answer breaks the first property the same way: one error line
+    (top,) = detail["top_invalid"]
+    assert top["count"] == counts["invalid"] and top["error"].startswith("schema violation at")
     text = render_detail(detail)
     assert f"{counts['invalid']} invalid" in text and "invalid    " in text
     # export: parsed JSON for done items
@@ -353,12 +354,11 @@ def test_a_line_with_an_unusable_schema_is_refused_by_line_number(tmp_path: Path
         {"prompt": "fine", "schema": SCHEMA},
         {"prompt": "bad", "schema": {"type": "nonsense"}},
         {"prompt": "both", "schema": SCHEMA, "response_format": {"type": "json_object"}},
-        {"prompt": "not an object", "schema": 5},
     ]
     with pytest.raises(InputError) as err:
         _job_from_lines(tmp_path, lines)
     problems = dict(err.value.problems)
-    assert set(problems) == {2, 3, 4}
+    assert set(problems) == {2, 3}
     assert "not a valid JSON Schema" in problems[2]
     assert "both 'schema' and 'response_format'" in problems[3]
 
@@ -387,3 +387,97 @@ async def test_each_line_is_validated_against_its_own_schema(tmp_path: Path) -> 
     assert result["c"]["status"] == "done" and result["c"]["parsed"] is None
     sent = {b["messages"][0]["content"]: b.get("response_format") for b in transport.bodies}
     assert sent["p2"]["json_schema"]["schema"] == other and sent["p3"] is None
+
+
+# --- follow-ups that cannot help or that fail ------------------------------------------------
+
+
+def _completion(text: str, finish: str, prompt: int | None, used: int | None) -> Completion:
+    return Completion(text, finish, prompt, used, 0.1, None)
+
+
+def test_retry_longer_stops_when_the_context_not_max_tokens_cut_the_answer() -> None:
+    rules = OutputRules(schema=SCHEMA, guided_style=None, retry_longer=True)
+    plan = rules.plan("chat", {"messages": [{"role": "user", "content": "x"}]})
+    # no max_tokens set and nothing generated: the prompt filled the context
+    outcome = plan.judge(_completion("", "length", 500, 0))
+    assert outcome is not None and outcome.status == "invalid"
+    plan = rules.plan("chat", {"messages": [], "max_tokens": 100})
+    # 40 of 100 tokens and cut: more max_tokens cannot help
+    outcome = plan.judge(_completion('{"name": "ab"', "length", 10, 40))
+    assert outcome is not None and outcome.error is not None
+    assert outcome.error.startswith("truncated") and plan.longer == 0
+
+
+def test_every_longer_attempt_counts_in_the_items_usage() -> None:
+    rules = OutputRules(schema=None, guided_style=None, retry_longer=True)
+    plan = rules.plan("chat", {"messages": [], "max_tokens": 100})
+    assert plan.judge(_completion("x" * 10, "length", 20, 100)) is None
+    assert plan.request()["max_tokens"] == 200
+    outcome = plan.judge(_completion("x" * 15, "stop", 20, 150))
+    assert outcome == Outcome("done", None, None)
+    assert plan.usage == (40, 250)
+
+
+@pytest.mark.anyio
+async def test_a_failed_follow_up_keeps_the_answer_the_item_had(tmp_path: Path) -> None:
+    class RepairsRefused(Recording):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            body = json.loads(request.content or b"{}")
+            if len(body.get("messages", [])) > 1:  # the repair: too long for the context
+                self.bodies.append(body)
+                return httpx.Response(400, json={"error": {"message": "context too long"}})
+            return await super().handle_async_request(request)
+
+    transport = RepairsRefused(SimConfig(json_schema=SCHEMA, json_styles={"violating": 1.0}))
+    ledger, stats, _ = await run(tmp_path, 3, transport, schema=schema_file(tmp_path), guided=False)
+    result = rows(ledger)
+    assert [r["status"] for r in result] == ["invalid"] * 3
+    assert all(r["output"] and r["parsed"] is not None for r in result)
+    assert all(r["error"].startswith("schema violation") and "context too long" in r["error"]
+               for r in result)  # fmt: skip
+    assert [r["repairs"] for r in result] == [1, 1, 1]
+    assert stats.guided_refused is None
+
+
+@pytest.mark.anyio
+async def test_one_lines_refused_schema_leaves_the_others_guided(tmp_path: Path) -> None:
+    odd = {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}
+
+    class GrammarRefusesOdd(Recording):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            body = json.loads(request.content or b"{}")
+            fmt = body.get("response_format") or {}
+            if fmt.get("json_schema", {}).get("schema") == odd:
+                self.bodies.append(body)
+                return httpx.Response(400, json={"error": {"message": "unsupported schema"}})
+            return await super().handle_async_request(request)
+
+    lines = [{"id": f"n{i}", "prompt": f"normal {i}"} for i in range(4)]
+    lines.insert(1, {"id": "odd", "prompt": "odd one", "schema": odd})
+    ledger = _job_from_lines(tmp_path, lines, schema=schema_file(tmp_path), concurrency=1)
+    transport = GrammarRefusesOdd(SimConfig(json_schema=SCHEMA))
+    job = ledger.get_job("j")
+    assert job is not None
+    from batchrun.run_state import RunnerSettings
+
+    fake = FakeTime()
+    stats = await jobs.run_job(
+        ledger, Home.at(tmp_path, None), "j", jobs.job_spec(job), quiet=True,
+        transport=transport, settings=RunnerSettings(sleep=fake.sleep, clock=fake.clock),
+        handle_signals=False,
+    )  # fmt: skip
+    result = {r["item_id"]: r for r in ledger.iter_results("j")}
+    # unguided, the simulated model answers with the job's schema, not the odd one
+    assert result["odd"]["status"] == "invalid" and "'x'" in result["odd"]["error"]
+    assert all(result[f"n{i}"]["status"] == "done" for i in range(4))
+    assert stats.guided_refused is not None and "unsupported schema" in stats.guided_refused
+    later = [b for b in transport.bodies if b["messages"][0]["content"].startswith("normal")]
+    assert later and all("response_format" in b for b in later)
+
+
+def test_a_schema_field_that_is_not_an_object_stays_meta(tmp_path: Path) -> None:
+    ledger = _job_from_lines(tmp_path, [{"prompt": "p", "schema": "v2"}])
+    (row,) = ledger.iter_results("j")
+    assert json.loads(row["meta"]) == {"schema": "v2"}
+    assert "response_format" not in json.loads(row["body"])
