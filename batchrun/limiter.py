@@ -226,11 +226,18 @@ class Pacer:
         *,
         rpm: float | None = None,
         tpm: float | None = None,
+        in_flight: int = 16,
     ) -> None:
         self.controller = controller
         self.requests = TokenBucket(rpm) if rpm else None
         self.tokens = TokenBucket(tpm) if tpm else None
         self.pause_until = 0.0
+        self.in_flight = in_flight  # the most requests in flight, when not adaptive
+        # Spacing from the server's own budget when it runs low: seconds between requests
+        # (requests budget) and seconds per token (tokens budget), and the next free slot.
+        self._request_gap: float | None = None
+        self._token_gap: float | None = None
+        self._next_send = 0.0
 
     def wait(self, now: float, estimated_tokens: int) -> float:
         """Seconds to hold this request back; reserves its share of the buckets."""
@@ -238,6 +245,11 @@ class Pacer:
         if self.controller is not None:
             pause = max(pause, self.controller.pause_until)
         wait = max(0.0, pause - now)
+        gap = max(self._request_gap or 0.0, (self._token_gap or 0.0) * estimated_tokens)
+        if gap:  # the budget runs low: one request per gap
+            send_at = max(self._next_send, now)
+            self._next_send = send_at + gap
+            wait = max(wait, send_at - now)
         if self.requests is not None:
             wait = max(wait, self.requests.take(now))
         if self.tokens is not None:
@@ -273,12 +285,30 @@ class Pacer:
         return self.controller.overloaded(now, retry_after=retry_after, sent_at_limit=sent_at_limit)
 
     def _respect(self, now: float, rate: RateInfo, estimated_tokens: int) -> None:
-        """Proactive pacing: when the server says its budget is spent, wait for its reset
-        instead of running into 429s."""
-        if rate.remaining_requests is not None and rate.remaining_requests <= 0:
+        """Proactive pacing from the server's `x-ratelimit-*` headers. While the budget is
+        ample nothing changes; once what remains would not cover two rounds of requests in
+        flight, requests are spaced at the rate the budget refills, (limit - remaining) /
+        reset, so it never runs dry and no 429 comes. A server that gives no limit: when
+        its budget is spent, everyone waits for its reset."""
+        wave = 2 * (self.controller.limit if self.controller is not None else self.in_flight)
+        self._request_gap = _gap(rate.remaining_requests, rate.limit_requests,
+                                 rate.reset_requests_s, wave)  # fmt: skip
+        self._token_gap = _gap(rate.remaining_tokens, rate.limit_tokens, rate.reset_tokens_s,
+                               wave * estimated_tokens)  # fmt: skip
+        spent = rate.remaining_requests is not None and rate.remaining_requests <= 0
+        if spent and rate.limit_requests is None:
             self.pause_until = max(self.pause_until, now + (rate.reset_requests_s or 1.0))
-        if rate.remaining_tokens is not None and rate.remaining_tokens < estimated_tokens:
+        short = rate.remaining_tokens is not None and rate.remaining_tokens < estimated_tokens
+        if short and rate.limit_tokens is None:
             self.pause_until = max(self.pause_until, now + (rate.reset_tokens_s or 1.0))
+
+
+def _gap(remaining: int | None, limit: int | None, reset: float | None, low: float) -> float | None:
+    """Seconds per unit at the budget's refill rate, when what remains is below `low`."""
+    if remaining is None or limit is None or not reset or remaining >= low:
+        return None
+    used = limit - remaining
+    return reset / used if used > 0 else None
 
 
 def estimate_request_tokens(body: dict[str, Any]) -> int:

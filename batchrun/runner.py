@@ -76,7 +76,7 @@ class Runner:
             if spec.adaptive
             else None
         )
-        self.pacer = Pacer(controller, rpm=spec.rpm, tpm=spec.tpm)
+        self.pacer = Pacer(controller, rpm=spec.rpm, tpm=spec.tpm, in_flight=spec.most_in_flight)
         self.limit = controller.limit if controller else spec.most_in_flight
         self._slots = anyio.CapacityLimiter(self.limit)  # requests in flight, at most
         self._limit_log: deque[tuple[float, int, str]] = deque(maxlen=20)

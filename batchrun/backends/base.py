@@ -21,9 +21,11 @@ class RateInfo:
     """What a hosted API says of its limits (`x-ratelimit-*`): what is left, and when it resets."""
 
     remaining_requests: int | None = None
-    reset_requests_s: float | None = None
+    reset_requests_s: float | None = None  # until the budget is full again (OpenAI, Groq)
     remaining_tokens: int | None = None
     reset_tokens_s: float | None = None
+    limit_requests: int | None = None
+    limit_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

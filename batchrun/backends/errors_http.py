@@ -101,6 +101,8 @@ def rate_info(headers: Mapping[str, str]) -> RateInfo | None:
         reset_requests_s=duration("x-ratelimit-reset-requests"),
         remaining_tokens=number("x-ratelimit-remaining-tokens"),
         reset_tokens_s=duration("x-ratelimit-reset-tokens"),
+        limit_requests=number("x-ratelimit-limit-requests"),
+        limit_tokens=number("x-ratelimit-limit-tokens"),
     )
 
 

@@ -3,7 +3,9 @@
 Like vLLM with `max_num_seqs` slots: a request decodes in a slot; with more sequences in the batch
 each token takes longer; past the slots, requests wait in a queue, so their time to first token
 grows with it; optionally a gate refuses requests past a queue length (429 or 503). Like a hosted
-API: requests and tokens per minute over a sliding window, announced in `x-ratelimit-*` headers.
+API (OpenAI's, Groq's): requests and tokens per minute as budgets that refill continuously, a
+minute's worth at most, announced in `x-ratelimit-*` headers: the limit, what remains, and the
+time until the budget is full again.
 
 The schedule is planned when a request arrives (when it gets a slot, how fast it decodes), from
 an injected clock, so the model stays a pure function of its inputs and the time.
@@ -12,7 +14,6 @@ an injected clock, so the model stays a pure function of its inputs and the time
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -55,9 +56,8 @@ class Capacity:
         self.clock = clock
         self._ends: list[float] = []  # when each busy slot frees up (a heap)
         self._starts: list[float] = []  # planned starts still in the future: the queue (a heap)
-        self._requests: deque[float] = deque()  # arrival times in the rate window
-        self._tokens: deque[tuple[float, int]] = deque()
-        self._token_sum = 0
+        self._requests = _Budget(rpm) if rpm else None
+        self._tokens = _Budget(tpm) if tpm else None
 
     def admit(
         self, *, prompt_tokens: int, n_out: int, ttft: float, tpot: float
@@ -96,39 +96,52 @@ class Capacity:
 
     # --- hosted-API limits ------------------------------------------------------------------
 
-    def _expire(self, now: float) -> None:
-        while self._requests and self._requests[0] <= now - WINDOW_S:
-            self._requests.popleft()
-        while self._tokens and self._tokens[0][0] <= now - WINDOW_S:
-            self._token_sum -= self._tokens.popleft()[1]
-
     def _count(self, now: float, tokens: int) -> None:
-        if self.rpm is not None:
-            self._requests.append(now)
-        if self.tpm is not None:
-            self._tokens.append((now, tokens))
-            self._token_sum += tokens
+        if self._requests is not None:
+            self._requests.spend(now, 1)
+        if self._tokens is not None:
+            self._tokens.spend(now, tokens)
 
     def _rate_headers(self, now: float, tokens: int) -> dict[str, str]:
-        self._expire(now)
         headers: dict[str, str] = {}
-        if self.rpm is not None:
-            reset = self._requests[0] + WINDOW_S - now if self._requests else 0.0
-            headers["x-ratelimit-limit-requests"] = str(self.rpm)
-            headers["x-ratelimit-remaining-requests"] = str(max(0, self.rpm - len(self._requests)))
-            headers["x-ratelimit-reset-requests"] = f"{reset:.3f}s"
-        if self.tpm is not None:
-            reset = self._tokens[0][0] + WINDOW_S - now if self._tokens else 0.0
-            headers["x-ratelimit-limit-tokens"] = str(self.tpm)
-            headers["x-ratelimit-remaining-tokens"] = str(max(0, self.tpm - self._token_sum))
-            headers["x-ratelimit-reset-tokens"] = f"{reset:.3f}s"
+        for name, budget in (("requests", self._requests), ("tokens", self._tokens)):
+            if budget is not None:
+                headers[f"x-ratelimit-limit-{name}"] = str(budget.size)
+                headers[f"x-ratelimit-remaining-{name}"] = str(int(budget.level(now)))
+                headers[f"x-ratelimit-reset-{name}"] = f"{budget.until_full(now):.3f}s"
         return headers
 
     def _rate_refusal(self, now: float, tokens: int, headers: dict[str, str]) -> Refusal | None:
-        if self.rpm is not None and len(self._requests) >= self.rpm:
-            wait = self._requests[0] + WINDOW_S - now
+        if self._requests is not None and self._requests.level(now) < 1:
+            wait = self._requests.until(now, 1)
             return Refusal(429, wait, "rate limit: requests per minute (simulated)", headers)
-        if self.tpm is not None and self._tokens and self._token_sum + tokens > self.tpm:
-            wait = self._tokens[0][0] + WINDOW_S - now
+        if self._tokens is not None and self._tokens.level(now) < tokens:
+            wait = self._tokens.until(now, tokens)
             return Refusal(429, wait, "rate limit: tokens per minute (simulated)", headers)
         return None
+
+
+class _Budget:
+    """A per-minute budget refilling continuously: `size` at most, `size / 60` a second."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.rate = size / WINDOW_S
+        self._level = float(size)
+        self._at: float | None = None
+
+    def level(self, now: float) -> float:
+        if self._at is not None:
+            self._level = min(float(self.size), self._level + (now - self._at) * self.rate)
+        self._at = now
+        return self._level
+
+    def spend(self, now: float, amount: int) -> None:
+        self._level = self.level(now) - amount
+
+    def until(self, now: float, amount: float) -> float:
+        """Seconds until `amount` is available."""
+        return max(0.0, (min(amount, self.size) - self.level(now)) / self.rate)
+
+    def until_full(self, now: float) -> float:
+        return max(0.0, (self.size - self.level(now)) / self.rate)

@@ -68,19 +68,22 @@ def test_gate_refuses_past_the_queue_limit_with_retry_after() -> None:
     assert refused.status == 503 and refused.retry_after == pytest.approx(0.2)
 
 
-def test_requests_per_minute_with_headers_and_reset() -> None:
+def test_requests_per_minute_refill_like_openais_budget() -> None:
     clock = Clock()
-    cap = Capacity(rpm=3, clock=clock)
+    cap = Capacity(rpm=3, clock=clock)  # 3 at most, refilling at 3 a minute
     remaining = []
     for _ in range(3):
-        remaining.append(admit(cap).headers["x-ratelimit-remaining-requests"])
+        first = admit(cap)
+        remaining.append(first.headers["x-ratelimit-remaining-requests"])
+        assert first.headers["x-ratelimit-limit-requests"] == "3"
         clock.now += 1
     assert remaining == ["3", "2", "1"]
     refused = cap.admit(prompt_tokens=5, n_out=11, ttft=0.1, tpot=0.01)
     assert isinstance(refused, Refusal) and refused.status == 429
-    assert refused.retry_after == pytest.approx(57.0)
+    # 0.15 requests left: one more in (1 - 0.15) / (3/60) s; full again in (3 - 0.15) / (3/60)
+    assert refused.retry_after == pytest.approx(17.0)
     assert refused.headers["x-ratelimit-reset-requests"] == "57.000s"
-    clock.now += 57.0  # the first request leaves the window
+    clock.now += 17.0
     assert admit(cap).headers["x-ratelimit-remaining-requests"] == "1"
 
 

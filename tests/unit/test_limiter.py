@@ -194,6 +194,34 @@ def test_pacer_waits_for_the_servers_reset_when_its_budget_is_spent() -> None:
     assert pacer.wait(10.0, 10) == pytest.approx(1.0)
 
 
+def test_pacer_spaces_requests_at_the_refill_rate_once_the_budget_runs_low() -> None:
+    pacer = Pacer(None, in_flight=10)
+
+    def told(remaining: int, reset: float) -> None:
+        rate = RateInfo(remaining_requests=remaining, reset_requests_s=reset,
+                        limit_requests=3000)  # fmt: skip
+        pacer.succeeded(0.0, estimated_tokens=10, used_tokens=None, output_tokens=4, ttft=0.1,
+                        rate=rate, sent_at_limit=10)  # fmt: skip
+
+    told(2500, 10.0)  # plenty left: no spacing
+    assert [pacer.wait(0.0, 10) for _ in range(5)] == [0.0] * 5
+    # 15 left, under two rounds of 10 in flight; 2985 used refill in 59.7 s: 50 a second
+    told(15, 59.7)
+    waits = [pacer.wait(0.0, 10) for _ in range(4)]
+    assert waits == pytest.approx([0.0, 0.02, 0.04, 0.06])
+    told(2000, 20.0)  # refilled: spacing stops
+    assert pacer.wait(1.0, 10) == 0.0
+
+
+def test_tokens_budget_spaces_requests_by_their_estimated_tokens() -> None:
+    pacer = Pacer(None, in_flight=4)
+    rate = RateInfo(remaining_tokens=500, reset_tokens_s=5.0, limit_tokens=10_500)
+    pacer.succeeded(0.0, estimated_tokens=100, used_tokens=None, output_tokens=4, ttft=0.1,
+                    rate=rate, sent_at_limit=4)  # fmt: skip
+    # 10,000 tokens refill in 5 s: 2,000 a second; a 100-token request every 0.05 s
+    assert [pacer.wait(0.0, 100) for _ in range(3)] == pytest.approx([0.0, 0.05, 0.1])
+
+
 def test_completions_sent_under_an_old_limit_are_ignored() -> None:
     ctl = ConcurrencyController(initial=4)
     for i in range(20):
