@@ -163,3 +163,24 @@ async def test_a_sweep_over_the_simulator_records_every_request(anyio_backend: s
     assert all(r.schema_valid for r in extraction)  # guided: the simulator obeys the schema
     again = json.loads(json.dumps([r.to_json() for r in short]))  # records are plain JSON
     assert again[0]["output_tokens"] == 12 and again[0]["cls"] == "short"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.anyio
+async def test_without_matplotlib_every_other_file_is_written_and_it_says_so(
+    anyio_backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchrun.bench import plots
+    from batchrun.bench.run import Endpoint, run_bench
+
+    monkeypatch.setattr(plots, "available", lambda: False)
+    said: list[str] = []
+    spec = resolve({"backend": "sim", "sim_options": {"min_output_tokens": 4}})
+    suite = select(builtin_suite(), ["short"], 16)
+    results = await run_bench([Endpoint("sim", spec)], suite, LoadPlan(levels=(1,), repeat=2),
+                              tmp_path, label="t", selftest=False, say=said.append,
+                              show=said.append)  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "results.json",
+                                                          "summary.csv"]  # fmt: skip
+    assert plots.MISSING in said
+    assert results["cells"][0]["succeeded"] == 2
