@@ -20,7 +20,19 @@ import pytest
 
 from tests.integration.helpers import free_port
 
-MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K.gguf"
+def _find_model() -> Path:
+    """BATCHRUN_TEST_MODEL, else shared/models/ beside the checkout or any folder above it."""
+    if os.environ.get("BATCHRUN_TEST_MODEL"):
+        return Path(os.environ["BATCHRUN_TEST_MODEL"])
+    repo = Path(__file__).resolve().parents[2]
+    for folder in repo.parents:
+        candidate = folder / "shared" / "models" / "stories260K.gguf"
+        if candidate.exists():
+            return candidate
+    return repo.parent / "shared" / "models" / "stories260K.gguf"
+
+
+MODEL = _find_model()
 STARTUP_TIMEOUT = 60.0
 
 
