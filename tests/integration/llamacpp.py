@@ -20,6 +20,7 @@ import pytest
 
 from tests.integration.helpers import free_port
 
+
 def _find_model() -> Path:
     """BATCHRUN_TEST_MODEL, else shared/models/ beside the checkout or any folder above it."""
     if os.environ.get("BATCHRUN_TEST_MODEL"):
