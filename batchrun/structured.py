@@ -78,6 +78,7 @@ class AnswerPlan:
         line_schema = schema_of(body.get("response_format"))
         self.schema = line_schema or rules.schema
         self.check = rules.check_for(self.schema) if self.schema is not None else None
+        self._key = schema_key(self.schema) if self.schema is not None else b""
         if line_schema is not None:  # re-sent in the preset's style, or not at all
             body = {k: v for k, v in body.items() if k != "response_format"}
         self._body = body
@@ -96,7 +97,7 @@ class AnswerPlan:
             self.schema is not None
             and self.rules.guided_style is not None
             and not self.unguided
-            and schema_key(self.schema) not in self.rules.refused
+            and self._key not in self.rules.refused
         )
 
     def request(self) -> dict[str, Any]:

@@ -48,7 +48,7 @@ class Cell:
 
 def record_of(
     endpoint: str, cls: BenchClass, level: int, started: float, result: Completion | RequestError,
-    elapsed: float,
+    elapsed: float, check: SchemaCheck | None = None,
 ) -> RequestRecord:  # fmt: skip
     """One request's measurements from its completion (or its error)."""
     record = RequestRecord(endpoint, cls.name, level, ok=False, started_s=started,
@@ -65,7 +65,7 @@ def record_of(
     e2e = c.latency_s * 1000
     ttft = c.ttft_s * 1000 if c.ttft_s is not None else None
     tpot = (e2e - ttft) / (tokens - 1) if ttft is not None and tokens and tokens > 1 else None
-    valid = SchemaCheck(cls.schema).check(c.text, c.finish_reason).ok if cls.schema else None
+    valid = check.check(c.text, c.finish_reason).ok if check is not None else None
     return replace(
         record, ok=True, e2e_ms=e2e, ttft_ms=ttft, tpot_ms=tpot,
         itl_ms=[(b - a) * 1000 for a, b in itertools.pairwise(times)],
@@ -94,8 +94,9 @@ async def run_cell(
             )
         except RequestError as exc:
             result = exc
-        return record_of(endpoint, cls, level, sent - t0, result, clock() - sent)
+        return record_of(endpoint, cls, level, sent - t0, result, clock() - sent, check)
 
+    check = SchemaCheck(cls.schema) if cls.schema else None  # compiled once per cell
     count = max(plan.repeat, level)
     await _drive(send, range(plan.warmup), level, None, plan.seed, clock)
     started = clock()

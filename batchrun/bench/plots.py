@@ -49,12 +49,7 @@ def _line_chart(runs: list[tuple[str, dict[str, Any]]], metric: str, ylabel: str
     ax.minorticks_off()
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path)
 
 
 def _ttft_chart(runs: list[tuple[str, dict[str, Any]]], path: Path) -> Path:
@@ -72,6 +67,10 @@ def _ttft_chart(runs: list[tuple[str, dict[str, Any]]], path: Path) -> Path:
             ax.step(values, ys, style, where="post", label=f"{label}: {name}" if label else name)
     ax.set_xlabel("time to first token (ms)")
     ax.set_ylabel("share of requests")
+    return _save(plt, fig, ax, path)
+
+
+def _save(plt: Any, fig: Any, ax: Any, path: Path) -> Path:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -27,15 +27,6 @@ DEFAULT_SCHEMA: dict[str, Any] = {
 }
 
 
-def requested_schema(fmt: Any) -> dict[str, Any] | None:
-    """The schema a response_format asks the server to enforce (either style)."""
-    if not isinstance(fmt, dict):
-        return None
-    inner = fmt.get("json_schema")
-    schema = inner.get("schema") if isinstance(inner, dict) else fmt.get("schema")
-    return schema if isinstance(schema, dict) else None
-
-
 def is_repair(request: dict[str, Any]) -> bool:
     """A follow-up that shows the model its own earlier answer."""
     messages = request.get("messages")

@@ -26,8 +26,8 @@ from batchrun.sim.json_answers import (
     json_text,
     pick_style,
     pieces,
-    requested_schema,
 )
+from batchrun.validate import schema_of
 
 WORDS = (
     "synthetic",
@@ -314,7 +314,7 @@ class SimModel:
     def _json_tokens(self, request: dict[str, Any], rng: random.Random) -> list[str] | None:
         """A JSON answer's tokens, when the request or the config calls for JSON."""
         cfg = self.config
-        schema = requested_schema(request.get("response_format"))
+        schema = schema_of(request.get("response_format"))
         if schema is None and not cfg.json_styles and cfg.json_schema is None:
             return None
         if schema is not None:  # constrained decoding: always valid for the schema sent
