@@ -98,6 +98,12 @@ RUN_OPTIONS: list[Callable[[F], F]] = [
         help="The most --concurrency auto may reach [256].",
     ),
     click.option(
+        "--server-metrics",
+        help="Where the server publishes its running/waiting request counts (Prometheus), for "
+        "--concurrency auto: auto (the endpoint's /metrics, used when it has them), a URL, "
+        "or off [auto].",
+    ),
+    click.option(
         "--rpm",
         type=click.FloatRange(min=0, min_open=True),
         help="Pace requests to this many a minute.",

@@ -91,6 +91,9 @@ from batchrun.sim.json_answers import JSON_STYLES
 @click.option(
     "--refuse-response-format", is_flag=True, help="Answer 400 to requests with response_format."
 )
+@click.option(
+    "--no-metrics", is_flag=True, help="Answer 404 to GET /metrics, like a server without them."
+)
 @errors_to_exit_codes
 def sim(
     host: str,
@@ -116,10 +119,12 @@ def sim(
     json_schema: str | None,
     repair_fails: bool,
     refuse_response_format: bool,
+    no_metrics: bool,
 ) -> None:
     """Serve the built-in OpenAI-compatible simulator (synthetic outputs) until stopped.
 
-    GET /sim/stats reports requests, faults injected by kind, and prompts answered twice."""
+    GET /sim/stats reports requests, faults injected by kind, and prompts answered twice;
+    GET /metrics the requests running and waiting, under vLLM's Prometheus names."""
     api_key = None
     if api_key_env:
         api_key = os.environ.get(api_key_env)
@@ -147,6 +152,7 @@ def sim(
         json_schema=_schema(json_schema) if json_schema else None,
         repair_fixes=not repair_fails,
         refuse_response_format=refuse_response_format,
+        metrics=not no_metrics,
     )
     server = SimServer(SimModel(config))
 

@@ -86,8 +86,9 @@ class RunSpec:
     api_key_env: str | None = None
     endpoint: str = "chat"
     stream: bool = True
-    concurrency: int | str = "auto"  # "auto": the adaptive controller in limiter.py, or a number
+    concurrency: int | str = "auto"  # "auto": the adaptive controller (controller.py), or a number
     max_concurrency: int = 256  # the most "auto" may reach
+    server_metrics: str = "auto"  # the server's Prometheus page for "auto": auto | off | a URL
     rpm: float | None = None  # client-side pacing: requests per minute
     tpm: float | None = None  # ... and tokens per minute (estimated, corrected by usage)
     max_attempts: int = 5
@@ -224,6 +225,9 @@ def _validate(spec: RunSpec, preset: Preset) -> None:
         raise UsageError("--concurrency must be at least 1")
     if spec.max_concurrency < 1:
         raise UsageError("--max-concurrency must be at least 1")
+    metrics = spec.server_metrics
+    if metrics not in ("auto", "off") and not metrics.startswith(("http://", "https://")):
+        raise UsageError(f"--server-metrics must be auto, off or an http(s) URL, got {metrics!r}")
     for name in ("rpm", "tpm"):
         value = getattr(spec, name)
         if value is not None and value <= 0:

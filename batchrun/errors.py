@@ -30,13 +30,22 @@ class TransientError(RequestError):
 
 
 class RateLimited(TransientError):
-    """429: the server asked us to slow down, possibly saying for how long."""
+    """429: the server asked us to slow down, possibly saying for how long.
+
+    `budget_spent`: its `x-ratelimit-remaining-*` said a whole budget is used up, so every
+    request would be refused until it refills (not just this one)."""
 
     def __init__(
-        self, message: str, *, status: int | None = 429, retry_after: float | None = None
+        self,
+        message: str,
+        *,
+        status: int | None = 429,
+        retry_after: float | None = None,
+        budget_spent: bool = False,
     ) -> None:
         super().__init__(message, status=status)
         self.retry_after = retry_after
+        self.budget_spent = budget_spent
 
 
 class Overloaded(TransientError):

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import orjson
 
-from batchrun.backends import Backend, OpenAICompatBackend, Transport
+from batchrun.backends import Backend, MetricsReader, OpenAICompatBackend, Transport
 from batchrun.config import RunSpec, preset_for, resolve
 from batchrun.errors import BatchrunError, EndpointDown, FatalError, RequestError, UsageError
 from batchrun.inputs import InputReader, file_digest
@@ -26,6 +26,7 @@ from batchrun.progress import JobLog, Progress
 from batchrun.retry import OutageWatch, RetryPolicy
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.runner import Runner
+from batchrun.server_metrics import metrics_url
 from batchrun.sim import SimConfig, SimModel, SimTransport
 from batchrun.sim.faults import FAULT_KINDS, check_rates
 from batchrun.sim.json_answers import JSON_STYLES
@@ -175,8 +176,6 @@ def sim_config(spec: RunSpec) -> SimConfig:
 
 
 def build_backend(spec: RunSpec, transport: Transport | None = None) -> Backend:
-    if spec.backend == "sim" and transport is None:
-        transport = SimTransport(SimModel(sim_config(spec)))
     return OpenAICompatBackend(
         spec.base_url,
         api_key=checked_key(spec),
@@ -184,8 +183,23 @@ def build_backend(spec: RunSpec, transport: Transport | None = None) -> Backend:
         stream=spec.stream,
         stream_options=preset_for(spec).stream_options,
         max_connections=spec.most_in_flight,
-        transport=transport,
+        transport=transport or sim_transport(spec),
     )
+
+
+def sim_transport(spec: RunSpec) -> Transport | None:
+    """The in-process simulator's transport for `--backend sim`; None for real endpoints."""
+    return SimTransport(SimModel(sim_config(spec))) if spec.backend == "sim" else None
+
+
+def metrics_reader(spec: RunSpec, transport: Transport | None = None) -> MetricsReader | None:
+    """Where `--concurrency auto` reads the server's running/waiting counts, unless off."""
+    if not spec.adaptive or spec.server_metrics == "off":
+        return None
+    url = metrics_url(spec.base_url) if spec.server_metrics == "auto" else spec.server_metrics
+    key = checked_key(spec)
+    headers = {"authorization": f"Bearer {key}"} if key else None
+    return MetricsReader(url, headers=headers, transport=transport)
 
 
 def checked_key(spec: RunSpec) -> str | None:
@@ -231,7 +245,9 @@ async def run_job(
     """Run every item that is not final yet. Ctrl-C/SIGTERM stop it gracefully."""
     rules = output_rules(spec)
     settings = settings or RunnerSettings()
+    transport = transport or sim_transport(spec)
     backend = build_backend(spec, transport)
+    reader = metrics_reader(spec, transport)
     log = JobLog(home.log_path(name), name, redact=spec.redact)
     policy = RetryPolicy(
         spec.max_attempts,
@@ -261,6 +277,7 @@ async def run_job(
             progress=progress,
             rules=rules,
             settings=settings,
+            server_load=reader.read if reader is not None else None,
         )
         try:
             async with anyio.create_task_group() as tg:
@@ -276,6 +293,8 @@ async def run_job(
     finally:
         log.close()
         await backend.aclose()
+        if reader is not None:
+            await reader.aclose()
 
 
 def output_rules(spec: RunSpec) -> OutputRules:

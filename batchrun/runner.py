@@ -17,7 +17,7 @@ import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
@@ -27,6 +27,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from batchrun.backends import Backend
 from batchrun.config import RunSpec
+from batchrun.controller import Change, ConcurrencyController
 from batchrun.errors import (
     BatchrunError,
     JobBusy,
@@ -34,12 +35,14 @@ from batchrun.errors import (
     OutputError,
 )
 from batchrun.ledger import ClaimedItem, ItemResult, Ledger
-from batchrun.limiter import Change, ConcurrencyController, Pacer
+from batchrun.limiter import Pacer
 from batchrun.progress import JobLog, Progress
 from batchrun.retry import OutageWatch, RetryPolicy
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.sender import Sender
+from batchrun.server_metrics import ServerLoad
 from batchrun.structured import OutputRules
+from batchrun.throttle import Throttle
 
 T = TypeVar("T")
 
@@ -58,6 +61,7 @@ class Runner:
         progress: Progress | None = None,
         rules: OutputRules | None = None,
         settings: RunnerSettings | None = None,
+        server_load: Callable[[], Awaitable[ServerLoad | None]] | None = None,
     ) -> None:
         self.ledger = ledger
         self.backend = backend
@@ -76,19 +80,22 @@ class Runner:
             if spec.adaptive
             else None
         )
-        self.pacer = Pacer(controller, rpm=spec.rpm, tpm=spec.tpm, in_flight=spec.most_in_flight)
-        self.limit = controller.limit if controller else spec.most_in_flight
-        self._slots = anyio.CapacityLimiter(self.limit)  # requests in flight, at most
+        pacer = Pacer(rpm=spec.rpm, tpm=spec.tpm)
+        self.throttle = Throttle(
+            pacer, controller=controller, fixed=spec.most_in_flight,
+            clock=self.settings.clock, sleep=self.settings.sleep, on_change=self._adjust,
+        )  # fmt: skip
+        self._server_load = server_load
         self._limit_log: deque[tuple[float, int, str]] = deque(maxlen=20)
         if progress is not None:
-            progress.concurrency = self.limit
+            progress.concurrency = self.throttle.limit
         self._stopping = anyio.Event()
         self._workers_scope: anyio.CancelScope | None = None
         self.rules = rules or OutputRules()
         self.sender = Sender(
-            backend, policy=self.policy, pacer=self.pacer, rules=self.rules,
+            backend, policy=self.policy, throttle=self.throttle, rules=self.rules,
             defaults=spec.request_defaults(), log=log, stats=self.stats, settings=self.settings,
-            current_limit=lambda: self.limit, on_change=self._adjust, on_fatal=self._abort,
+            on_fatal=self._abort,
         )  # fmt: skip
 
     # --- control --------------------------------------------------------------------------
@@ -149,6 +156,8 @@ class Runner:
                 async with anyio.create_task_group() as side:
                     side.start_soon(self._heartbeat)
                     side.start_soon(self._drain_on_stop)
+                    if self._server_load is not None:
+                        side.start_soon(self._watch_server, self._server_load)
                     await self._run_workers(results_send)
                     side.cancel_scope.cancel()
         except BaseException:
@@ -179,14 +188,21 @@ class Runner:
                 recorded=self.stats.recorded,
                 requests=self.stats.requests,
                 retries=self.stats.retries,
-                limit=self.limit,
+                stale_resends=self.backend.stale_resends,
+                limit=self.throttle.limit,
                 aborted=self.stats.aborted,
                 interrupted=self.stats.interrupted,
                 elapsed_s=round(self.stats.elapsed, 3),
             )
 
+    async def _watch_server(self, read: Callable[[], Awaitable[ServerLoad | None]]) -> None:
+        if not await self.throttle.watch_server(read):
+            self.log.event("server_metrics", available=False)
+
     async def _run_workers(self, results_send: MemoryObjectSendStream[ItemResult]) -> None:
-        most = self.spec.most_in_flight
+        # More workers than slots: an item sleeping before its retry holds no slot, and
+        # another item takes its place on the wire.
+        most = self.spec.most_in_flight + max(4, self.spec.most_in_flight // 4)
         work_send, work_recv = anyio.create_memory_object_stream[ClaimedItem](most)
         async with anyio.create_task_group() as workers:
             self._workers_scope = workers.cancel_scope
@@ -245,8 +261,7 @@ class Runner:
             async for item in work:
                 if self._stopping.is_set():
                     continue  # left running; released to pending when the run ends
-                async with self._slots:
-                    result = await self.sender.process(item)
+                result = await self.sender.process(item)
                 if result is not None:
                     results.send_nowait(result)  # unbounded: never drops a finished result
 
@@ -254,16 +269,14 @@ class Runner:
         """The adaptive limit's recent changes, for `status`; None when it never moved."""
         return orjson.dumps(list(self._limit_log)).decode() if self._limit_log else None
 
-    def _adjust(self, change: Change | None) -> None:
-        """Apply a new adaptive limit: to the capacity limiter, the progress bar and the log."""
-        if change is None:
-            return
-        self.limit = change.limit
-        self._slots.total_tokens = change.limit
+    def _adjust(self, change: Change) -> None:
+        """A reported move of the adaptive limit: to the progress bar, `status` and the log."""
         self._limit_log.append((round(time.time(), 3), change.limit, change.reason))
         if self.progress is not None:
             self.progress.concurrency = change.limit
-        self.log.event("concurrency", limit=change.limit, reason=change.reason)
+        self.log.event(
+            "concurrency", limit=change.limit, reason=change.reason, signal=change.signal
+        )
 
     async def _writer(self, results: ObjectReceiveStream[ItemResult]) -> None:
         clock = time.monotonic

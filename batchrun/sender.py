@@ -18,11 +18,12 @@ from batchrun.backends import Backend, Completion, CompletionRequest
 from batchrun.errors import BadRequest, FatalError, RequestError
 from batchrun.inputs import estimate_tokens
 from batchrun.ledger import ClaimedItem, ItemResult
-from batchrun.limiter import Change, Pacer, estimate_request_tokens
+from batchrun.limiter import estimate_request_tokens
 from batchrun.progress import JobLog, input_summary
 from batchrun.retry import RetryPolicy
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.structured import AnswerPlan, Outcome, OutputRules
+from batchrun.throttle import Throttle
 
 
 class Sender:
@@ -31,26 +32,22 @@ class Sender:
         backend: Backend,
         *,
         policy: RetryPolicy,
-        pacer: Pacer,
+        throttle: Throttle,
         rules: OutputRules,
         defaults: dict[str, Any],
         log: JobLog,
         stats: RunStats,
         settings: RunnerSettings,
-        current_limit: Callable[[], int],
-        on_change: Callable[[Change | None], None],
         on_fatal: Callable[[FatalError], None],
     ) -> None:
         self.backend = backend
         self.policy = policy
-        self.pacer = pacer
+        self.throttle = throttle
         self.rules = rules
         self.defaults = defaults
         self.log = log
         self.stats = stats
         self.settings = settings
-        self._limit = current_limit
-        self._changed = on_change
         self._fatal = on_fatal
 
     async def process(self, item: ClaimedItem) -> ItemResult | None:
@@ -60,6 +57,7 @@ class Sender:
         summary = None if self.log.redact else input_summary(body)
         attempts = tries = 0
         refusal: str | None = None  # a 400 to the guided request, until unguided succeeds
+        guided = False  # whether the latest request carried response_format
 
         def log_attempt(status: str, **fields: Any) -> None:
             self.log.attempt(item_id=item.item_id, line=item.line, digest=item.digest,
@@ -67,40 +65,31 @@ class Sender:
                              **fields)  # fmt: skip
 
         async def attempt() -> Completion:
-            nonlocal attempts, tries
+            nonlocal attempts, tries, guided
             attempts += 1
             tries += 1
             self.stats.requests += 1
             if tries > 1:  # a retry of the same request (repairs are new requests, not retries)
                 self.stats.retries += 1
+            guided = plan.guided
             request = CompletionRequest(item.endpoint, plan.request())
-            estimate = estimate_request_tokens(request.body)
-            wait = self.pacer.wait(self.settings.clock(), estimate)
-            if wait > 0:
-                await self.settings.sleep(wait)
-            sent_at_limit = self._limit()
-            try:
-                completion = await self.backend.complete(request)
-            except RequestError as exc:
-                now = self.settings.clock()
-                self._changed(self.pacer.failed(now, exc, sent_at_limit=sent_at_limit))
-                log_attempt("error", http_status=exc.status, error_kind=type(exc).__name__,
-                            error=str(exc))  # fmt: skip
-                raise
+            async with self.throttle.slot(estimate_request_tokens(request.body)) as slot:
+                try:
+                    completion = await self.backend.complete(
+                        request, on_first_token=slot.first_token
+                    )
+                except RequestError as exc:
+                    slot.failed(exc)
+                    log_attempt("error", http_status=exc.status, error_kind=type(exc).__name__,
+                                error=str(exc))  # fmt: skip
+                    raise
+                # a server without usage still shows its throughput through the text length
+                tokens = completion.completion_tokens or estimate_tokens(len(completion.text))
+                slot.done(completion, tokens)
             log_attempt("ok", latency_ms=_ms(completion.latency_s), ttft_ms=_ms(completion.ttft_s),
                         prompt_tokens=completion.prompt_tokens,
                         completion_tokens=completion.completion_tokens,
                         finish_reason=completion.finish_reason)  # fmt: skip
-            used = None
-            if completion.completion_tokens is not None:
-                used = (completion.prompt_tokens or 0) + completion.completion_tokens
-            self._changed(self.pacer.succeeded(
-                self.settings.clock(), estimated_tokens=estimate, used_tokens=used,
-                # a server without usage still shows its throughput through the text length
-                output_tokens=completion.completion_tokens or estimate_tokens(len(completion.text)),
-                ttft=completion.ttft_s,
-                rate=completion.rate, sent_at_limit=sent_at_limit,
-            ))  # fmt: skip
             return completion
 
         while True:
@@ -111,8 +100,9 @@ class Sender:
                 self._fatal(exc)
                 return None
             except RequestError as exc:
-                if isinstance(exc, BadRequest) and plan.guided:
-                    # maybe the schema, not the prompt: try once without it
+                if isinstance(exc, BadRequest) and guided and not plan.unguided:
+                    # maybe the schema, not the prompt: try once without it (another item
+                    # may have found that out meanwhile; the schema goes unguided anyway)
                     plan.unguided, refusal = True, str(exc)
                     continue
                 kept = plan.give_up(str(exc))  # a failed follow-up leaves the answer it had

@@ -1,6 +1,7 @@
 """Backends: the only code that imports httpx."""
 
 from batchrun.backends.base import Backend, Completion, CompletionRequest, RateInfo, Transport
+from batchrun.backends.metrics_reader import MetricsReader
 from batchrun.backends.openai_compat import ENDPOINT_PATHS, OpenAICompatBackend
 
 __all__ = [
@@ -8,6 +9,7 @@ __all__ = [
     "Backend",
     "Completion",
     "CompletionRequest",
+    "MetricsReader",
     "OpenAICompatBackend",
     "RateInfo",
     "Transport",

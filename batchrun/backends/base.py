@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -45,9 +46,21 @@ class Completion:
     server_timing: dict[str, float] | None = None
 
 
+FirstToken = Callable[[float], None]  # told the seconds to the first token, as it arrives
+
+
 class Backend(Protocol):
-    async def complete(self, request: CompletionRequest) -> Completion:
-        """Send one request; raise a batchrun.errors.RequestError subclass on failure."""
+    # Requests sent again at once, on a new connection, because the pooled one they went out
+    # on had been closed by the server before any answer came (not attempts; see the log).
+    stale_resends: int
+
+    async def complete(
+        self, request: CompletionRequest, *, on_first_token: FirstToken | None = None
+    ) -> Completion:
+        """Send one request; raise a batchrun.errors.RequestError subclass on failure.
+
+        `on_first_token`, if given, is called once when the first content arrives (streaming),
+        long before the answer is whole: the concurrency controller's earliest evidence."""
         ...
 
     async def list_models(self) -> list[str]: ...

@@ -115,7 +115,11 @@ def error_for_status(
     if status == 404:
         return NotFound(f"{message} (unknown model or path: {url})", status=status)
     if status == 429:
-        return RateLimited(message, status=status, retry_after=retry_after(headers))
+        rate = rate_info(headers)
+        spent = rate is not None and 0 in (rate.remaining_requests, rate.remaining_tokens)
+        return RateLimited(
+            message, status=status, retry_after=retry_after(headers), budget_spent=spent
+        )
     if status in (408, 409) or status >= 500:
         return Overloaded(message, status=status, retry_after=retry_after(headers))
     return BadRequest(message, status=status)

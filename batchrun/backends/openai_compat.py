@@ -8,7 +8,7 @@ Every HTTP or transport failure leaves this module as a batchrun error type.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -16,7 +16,7 @@ import httpx
 import orjson
 
 from batchrun import __version__
-from batchrun.backends.base import Completion, CompletionRequest
+from batchrun.backends.base import Completion, CompletionRequest, FirstToken
 from batchrun.backends.errors_http import error_for_status, rate_info
 from batchrun.backends.pool import ShardedTransport
 from batchrun.errors import (
@@ -51,18 +51,51 @@ class OpenAICompatBackend:
         self.stream = stream
         self.stream_options = stream_options
         self._api_key = api_key
+        self._max_connections = max_connections
+        # One httpx pool costs O(connections) per request: shard it (see pool.py).
+        self._client = self._new_client(transport or ShardedTransport(max_connections))
+        self._owns_transport = transport is None
+        self._fresh_client: httpx.AsyncClient | None = None  # see _fresh
+        # Requests sent again because their pooled connection was found closed (see
+        # _complete_once): not attempts, so nothing else counts them.
+        self.stale_resends = 0
+
+    def _new_client(self, transport: httpx.AsyncBaseTransport) -> httpx.AsyncClient:
         headers = {"content-type": "application/json", "user-agent": f"batchrun/{__version__}"}
-        if api_key:
-            headers["authorization"] = f"Bearer {api_key}"
-        self._client = httpx.AsyncClient(
-            # One httpx pool costs O(connections) per request: shard it (see pool.py).
-            transport=transport or ShardedTransport(max_connections),
+        if self._api_key:
+            headers["authorization"] = f"Bearer {self._api_key}"
+        return httpx.AsyncClient(
+            transport=transport,
             headers=headers,
-            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            timeout=httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0)),
         )
+
+    def _fresh(self) -> httpx.AsyncClient:
+        """The client for sending again after a stale pooled connection: it keeps no connection
+        alive, so each request opens its own.
+
+        Sending again through the pool would not do: the pool hands out its first idle
+        connection, and idle connections go stale together (one keep-alive timeout after a lull
+        ages them all), so the re-send could meet another stale one; bounding that by the idle
+        ones would allow as many re-sends as the pool holds connections. A connection opened
+        for the request cannot have timed out or run out of requests, so one re-send is enough
+        and a failure on it is the server's own. Made on first need: most runs never need it.
+        An injected transport (the simulator, tests) owns its connections, so the re-send goes
+        through it, still once.
+        """
+        if not self._owns_transport:
+            return self._client
+        if self._fresh_client is None:
+            limits = httpx.Limits(
+                max_connections=self._max_connections, max_keepalive_connections=0
+            )
+            self._fresh_client = self._new_client(httpx.AsyncHTTPTransport(limits=limits))
+        return self._fresh_client
 
     async def aclose(self) -> None:
         await self._client.aclose()
+        if self._fresh_client is not None:
+            await self._fresh_client.aclose()
 
     async def list_models(self) -> list[str]:
         try:
@@ -87,14 +120,16 @@ class OpenAICompatBackend:
         except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError):
             raise StreamCut(f"{url} did not return a model list") from None
 
-    async def complete(self, request: CompletionRequest) -> Completion:
+    async def complete(
+        self, request: CompletionRequest, *, on_first_token: FirstToken | None = None
+    ) -> Completion:
         try:
             try:
-                return await self._complete_once(request)
+                return await self._complete_once(request, on_first_token=on_first_token)
             except BadRequest as exc:
                 if self.stream and self.stream_options and "stream_options" in str(exc):
                     self.stream_options = False  # this server refuses it; ask without it
-                    return await self._complete_once(request)
+                    return await self._complete_once(request, on_first_token=on_first_token)
                 raise
             except EmptyStream:
                 # Ask once more without streaming: a server that says nothing in a stream
@@ -107,40 +142,91 @@ class OpenAICompatBackend:
             raise self._scrub(exc) from None
 
     async def _complete_once(
-        self, request: CompletionRequest, *, stream: bool | None = None
+        self,
+        request: CompletionRequest,
+        *,
+        stream: bool | None = None,
+        on_first_token: FirstToken | None = None,
     ) -> Completion:
-        url = self.base_url + ENDPOINT_PATHS[request.endpoint]
+        """One attempt, as the retry policy and the concurrency controller count them.
+
+        A keep-alive connection the server closed just as we reused it (cpp-httplib's
+        keep-alive timeout or request limit, racing our next request) fails before a byte of
+        answer comes back: that request goes again at once on a new connection (see _fresh),
+        inside the same attempt, so it is neither a retry nor a sign of overload. Everything
+        else is the server's failure, raised as before: a new connection closed unanswered
+        (the re-send's included), a refused one, an answer cut or garbled after its first
+        bytes. Go's net/http re-sends on the same evidence (a reused connection, nothing read
+        back); a completion has no side effect that a second send would repeat.
+        """
+        out = self._outgoing(request, stream, on_first_token)
+        try:
+            with anyio.fail_after(self.timeout):
+                try:
+                    return await self._post(self._client, out, watch_reuse=True)
+                except _StaleConnection:
+                    self.stale_resends += 1
+                    return await self._post(self._fresh(), out, watch_reuse=False)
+        except TimeoutError:
+            raise RequestTimeout(f"no complete answer within {self.timeout:g}s") from None
+
+    def _outgoing(
+        self, request: CompletionRequest, stream: bool | None, on_first_token: FirstToken | None
+    ) -> _Outgoing:
         body = dict(request.body)
         if self.stream if stream is None else stream:
             body["stream"] = True
             if self.stream_options:
                 body["stream_options"] = {"include_usage": True}
-        started = time.perf_counter()
-        receiving = False
+        url = self.base_url + ENDPOINT_PATHS[request.endpoint]
+        return _Outgoing(
+            url, orjson.dumps(body), request.endpoint, time.perf_counter(), on_first_token
+        )
+
+    async def _post(
+        self, client: httpx.AsyncClient, out: _Outgoing, *, watch_reuse: bool
+    ) -> Completion:
+        """Send once. With `watch_reuse`, a pooled connection found closed before a byte of
+        answer came back raises _StaleConnection rather than ConnectionFailed."""
+        trace = _ConnectionTrace() if watch_reuse else None
+        extensions = {"trace": trace} if trace is not None else None
+        url = out.url
+        answered = receiving = False
         try:
-            with anyio.fail_after(self.timeout):
-                async with self._client.stream("POST", url, content=orjson.dumps(body)) as resp:
-                    if resp.status_code >= 400:
-                        content = await resp.aread()
-                        raise error_for_status(resp.status_code, resp.headers, content, url)
-                    receiving = True
-                    if "text/event-stream" in resp.headers.get("content-type", ""):
-                        completion = await self._read_stream(resp, request.endpoint, started)
-                    else:
-                        content = await resp.aread()
-                        completion = self._read_json(content, request.endpoint, started)
-                    rate = rate_info(resp.headers)
-                    return replace(completion, rate=rate) if rate else completion
-        except (TimeoutError, httpx.TimeoutException):
+            async with client.stream(
+                "POST", url, content=out.content, extensions=extensions
+            ) as resp:
+                answered = True
+                if resp.status_code >= 400:
+                    content = await resp.aread()
+                    raise error_for_status(resp.status_code, resp.headers, content, url)
+                receiving = True
+                completion = await self._read_answer(resp, out)
+                rate = rate_info(resp.headers)
+                return replace(completion, rate=rate) if rate else completion
+        except httpx.TimeoutException:
             raise RequestTimeout(f"no complete answer within {self.timeout:g}s") from None
         except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
             if receiving:
                 raise StreamCut(f"connection dropped mid-answer: {self._describe(exc)}") from None
+            if not answered and trace is not None and trace.reused and _unanswered(exc):
+                raise _StaleConnection(self._describe(exc, url)) from None
             raise ConnectionFailed(self._describe(exc, url)) from None
         except httpx.TransportError as exc:
             raise ConnectionFailed(self._describe(exc, url)) from None
 
-    async def _read_stream(self, resp: httpx.Response, endpoint: str, started: float) -> Completion:
+    async def _read_answer(self, resp: httpx.Response, out: _Outgoing) -> Completion:
+        if "text/event-stream" in resp.headers.get("content-type", ""):
+            return await self._read_stream(resp, out.endpoint, out.started, out.on_first_token)
+        return self._read_json(await resp.aread(), out.endpoint, out.started)
+
+    async def _read_stream(
+        self,
+        resp: httpx.Response,
+        endpoint: str,
+        started: float,
+        on_first_token: FirstToken | None = None,
+    ) -> Completion:
         pieces: list[str] = []
         times: list[float] = []  # of each non-empty content delta; the first is the TTFT
         finish: str | None = None
@@ -178,6 +264,8 @@ class OpenAICompatBackend:
                 piece = _choice_text(choice, endpoint, streamed=True)
                 if piece:
                     times.append(time.perf_counter() - started)
+                    if on_first_token is not None and len(times) == 1:
+                        on_first_token(times[0])
                     pieces.append(piece)
                 if choice.get("finish_reason"):
                     finish = choice["finish_reason"]
@@ -227,6 +315,51 @@ class OpenAICompatBackend:
                 break
         error.args = (text,)
         return error
+
+
+@dataclass(frozen=True, slots=True)
+class _Outgoing:
+    """One request as sent, and sent again unchanged if its connection was stale."""
+
+    url: str
+    content: bytes
+    endpoint: str
+    started: float  # a re-send's latency and TTFT count from the first send
+    on_first_token: FirstToken | None
+
+
+class _StaleConnection(ConnectionFailed):
+    """A pooled connection the server had closed before answering; never leaves this module."""
+
+
+class _ConnectionTrace:
+    """httpcore's `trace` extension, watched to learn whether a request went out on a
+    connection the pool already held (keep-alive) or on one opened for it.
+
+    httpcore names its events `connection.connect_tcp.*` when it opens a connection and
+    `http11.send_request_headers.*` when it sends on one. Transports without sockets (the
+    simulator, httpx.MockTransport) send no events: their failures are never stale.
+    """
+
+    def __init__(self) -> None:
+        self.opened = False
+        self.sent = False
+
+    async def __call__(self, name: str, info: dict[str, Any]) -> None:
+        if name.startswith("connection.connect_"):
+            self.opened = True
+        elif name.endswith(".send_request_headers.started"):
+            self.sent = True
+
+    @property
+    def reused(self) -> bool:
+        return self.sent and not self.opened
+
+
+def _unanswered(exc: httpx.TransportError) -> bool:
+    """Whether the connection ended with nothing read back: a reset, or httpcore's "Server
+    disconnected without sending a response." A malformed answer (bytes came back) is not."""
+    return isinstance(exc, httpx.ReadError) or str(exc).startswith("Server disconnected")
 
 
 def _choice_text(choice: dict[str, Any], endpoint: str, *, streamed: bool) -> str | None:

@@ -54,7 +54,7 @@ class Capacity:
         self.rpm = rpm
         self.tpm = tpm
         self.clock = clock
-        self._ends: list[float] = []  # when each busy slot frees up (a heap)
+        self._ends: list[float] = []  # heap: when each busy slot (no slots: request) frees up
         self._starts: list[float] = []  # planned starts still in the future: the queue (a heap)
         self._requests = _Budget(rpm) if rpm else None
         self._tokens = _Budget(tpm) if tpm else None
@@ -67,13 +67,12 @@ class Capacity:
         refusal = self._rate_refusal(now, prompt_tokens + n_out, headers)
         if refusal is not None:
             return refusal
+        self._prune(now)
         if self.slots is None:
+            # No batch limit: every request decodes at once, busy until its planned end.
+            heapq.heappush(self._ends, now + ttft + tpot * max(0, n_out - 1))
             self._count(now, prompt_tokens + n_out)
             return Admission(0.0, 1.0, headers)
-        while self._ends and self._ends[0] <= now:
-            heapq.heappop(self._ends)
-        while self._starts and self._starts[0] <= now:
-            heapq.heappop(self._starts)
         full = len(self._ends) >= self.slots
         if full and self.queue_limit is not None and len(self._starts) >= self.queue_limit:
             # when the first waiting request gets a slot; with no queue allowed, the first end
@@ -87,6 +86,23 @@ class Capacity:
             heapq.heappush(self._starts, start)
         self._count(now, prompt_tokens + n_out)
         return Admission(start - now, factor, headers)
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) now: what a vLLM server's /metrics reports, from the plan itself.
+
+        A slot's requests follow each other without a gap (a queued request starts the moment
+        the slot's previous one ends), so a slot is busy now exactly when its last planned end is
+        still ahead; waiting are the admitted requests whose start is still ahead. Without slots,
+        running is every request not yet finished and nothing waits."""
+        self._prune(self.clock())
+        return len(self._ends), len(self._starts)
+
+    def _prune(self, now: float) -> None:
+        """Forget slots that have freed up and queued requests that have started by `now`."""
+        while self._ends and self._ends[0] <= now:
+            heapq.heappop(self._ends)
+        while self._starts and self._starts[0] <= now:
+            heapq.heappop(self._starts)
 
     @property
     def queued(self) -> int:

@@ -90,6 +90,7 @@ class SimConfig:
     json_schema: dict[str, Any] | None = None
     repair_fixes: bool = True
     refuse_response_format: bool = False
+    metrics: bool = True  # serve GET /metrics (vLLM's names); off: 404, like a server without it
 
 
 @dataclass
@@ -124,6 +125,11 @@ def _refused(refusal: Refusal) -> Reply:
     }
     body = {"error": {"message": refusal.message, "type": "rate_limit", "code": refusal.status}}
     return Reply(refusal.status, headers, orjson.dumps(body))
+
+
+def _label(value: str) -> str:
+    """A Prometheus label value, escaped as the text format wants (a model name may hold `"`)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _cut(reply: Reply) -> Reply:
@@ -161,12 +167,17 @@ class SimModel:
     ) -> None:
         self.config = config or SimConfig()
         cfg = self.config
-        self.capacity = (
-            Capacity(slots=cfg.slots, tpot_slope=cfg.tpot_slope, queue_limit=cfg.queue_limit,
-                     gate_status=cfg.gate_status, rpm=cfg.rpm, tpm=cfg.tpm, clock=clock)
-            if cfg.slots is not None or cfg.rpm is not None or cfg.tpm is not None
-            else None
-        )  # fmt: skip
+        # Always built: without slots or limits it admits everything at once, but it still
+        # knows what is in flight, which GET /metrics reports.
+        self.capacity = Capacity(
+            slots=cfg.slots,
+            tpot_slope=cfg.tpot_slope,
+            queue_limit=cfg.queue_limit,
+            gate_status=cfg.gate_status,
+            rpm=cfg.rpm,
+            tpm=cfg.tpm,
+            clock=clock,
+        )
         self.requests = 0  # how many completion requests were answered (tests read this)
         self.faults = FaultPlan(self.config.faults, self.config.fault_seed)
         self.answered: set[int] = set()  # prompts (by digest) that got a complete answer
@@ -202,6 +213,8 @@ class SimModel:
             return _json_reply(200, {"status": "ok"})
         if method == "GET" and path == "/sim/stats":
             return _json_reply(200, self.stats())
+        if method == "GET" and path == "/metrics" and self.config.metrics:
+            return self._metrics()
         endpoints = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
         endpoint = endpoints.get(path)
         if endpoint is None or method != "POST":
@@ -270,16 +283,14 @@ class SimModel:
         }
         ttft = (cfg.ttft_ms + cfg.prefill_ms_per_token * prompt_tokens) / 1000
         tpot = cfg.tpot_ms / 1000
-        headers: dict[str, str] = {}
-        if self.capacity is not None:
-            admission = self.capacity.admit(
-                prompt_tokens=prompt_tokens, n_out=n_out, ttft=ttft, tpot=tpot
-            )
-            if isinstance(admission, Refusal):
-                return _refused(admission)
-            ttft += admission.queue_wait
-            tpot *= admission.tpot_factor
-            headers = admission.headers
+        admission = self.capacity.admit(
+            prompt_tokens=prompt_tokens, n_out=n_out, ttft=ttft, tpot=tpot
+        )
+        if isinstance(admission, Refusal):
+            return _refused(admission)
+        ttft += admission.queue_wait
+        tpot *= admission.tpot_factor
+        headers = admission.headers
         ident = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-sim-{tag[5:-1]}"
         base = {"id": ident, "created": int(time.time()), "model": model}
         if request.get("stream"):
@@ -310,6 +321,19 @@ class SimModel:
         reply = _json_reply(200, payload, delay=ttft + tpot * (n_out - 1))
         reply.headers.update(headers)
         return reply
+
+    def _metrics(self) -> Reply:
+        """The load under vLLM's Prometheus names, so a server-aware client can be tested here."""
+        running, waiting = self.capacity.load()
+        gauges = {"num_requests_running": float(running), "num_requests_waiting": float(waiting)}
+        if self.config.slots:
+            gauges["kv_cache_usage_perc"] = running / self.config.slots
+        labels = f'{{engine="0",model_name="{_label(self.config.models[0])}"}}'
+        text = "".join(
+            f"# TYPE vllm:{name} gauge\nvllm:{name}{labels} {value}\n"
+            for name, value in gauges.items()
+        )
+        return Reply(200, {"content-type": "text/plain; version=0.0.4"}, text.encode())
 
     def _json_tokens(self, request: dict[str, Any], rng: random.Random) -> list[str] | None:
         """A JSON answer's tokens, when the request or the config calls for JSON."""

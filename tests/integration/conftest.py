@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.helpers import CLI
+from tests.integration.llama_server import NativeLlamaServer, require_llama_server
 from tests.integration.llamacpp import LlamaServer, require_llamacpp
 
 
@@ -59,3 +60,16 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServ
     server.start()
     yield server
     server.kill()
+
+
+@pytest.fixture(scope="module")
+def native_llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NativeLlamaServer]:
+    """llama.cpp's C++ llama-server (8 slots, /metrics) with the tiny model, shared by one test
+    module; killed whatever the tests did."""
+    binary = require_llama_server()
+    server = NativeLlamaServer(binary, tmp_path_factory.mktemp("llama-server") / "server.log")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.kill()

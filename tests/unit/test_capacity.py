@@ -124,3 +124,40 @@ def test_a_gate_with_no_queue_refuses_everything_past_the_slots() -> None:
     refused = cap.admit(prompt_tokens=5, n_out=11, ttft=0.1, tpot=0.01)
     assert isinstance(refused, Refusal) and refused.status == 429
     assert refused.retry_after == pytest.approx(0.2)  # when the first slot frees
+
+
+def test_load_is_the_busy_slots_and_the_queue_now() -> None:
+    clock = Clock()
+    cap = Capacity(slots=2, clock=clock)
+    assert cap.load() == (0, 0)
+    for _ in range(5):  # 0.2 s each: two start now, two at 0.2, one at 0.4
+        admit(cap)
+    assert cap.load() == (2, 3)
+    clock.now += 0.3
+    assert cap.load() == (2, 1)
+    clock.now += 0.2
+    assert cap.load() == (1, 0)
+    clock.now += 0.2
+    assert cap.load() == (0, 0)
+
+
+def test_load_without_slots_is_what_is_in_flight() -> None:
+    clock = Clock()
+    cap = Capacity(clock=clock)
+    admit(cap)  # 0.2 s
+    admit(cap, n_out=21)  # 0.3 s
+    assert cap.load() == (2, 0)
+    clock.now += 0.25
+    assert cap.load() == (1, 0)
+    clock.now += 0.1
+    assert cap.load() == (0, 0)
+
+
+def test_refused_requests_are_no_load() -> None:
+    gated = Capacity(slots=1, queue_limit=1, clock=Clock())
+    limited = Capacity(rpm=1, clock=Clock())
+    for cap in (gated, limited):
+        while isinstance(cap.admit(prompt_tokens=5, n_out=11, ttft=0.1, tpot=0.01), Admission):
+            pass
+    assert gated.load() == (1, 1)
+    assert limited.load() == (1, 0)

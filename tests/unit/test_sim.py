@@ -338,3 +338,27 @@ async def test_sim_server_over_real_socket() -> None:
                         rest += await sock.receive()
                     assert orjson.loads(rest)["data"][0]["id"] == "sim-1"
             tg.cancel_scope.cancel()
+
+
+def test_metrics_report_the_load_under_vllms_names() -> None:
+    model = SimModel(SimConfig(slots=4, ttft_ms=60_000, models=('we"ird\\name',)))
+    post(model, CHAT, chat_body("one"))
+    reply = model.handle("GET", "/metrics", {}, b"")
+    assert reply.status == 200 and reply.headers["content-type"].startswith("text/plain")
+    labels = '{engine="0",model_name="we\\"ird\\\\name"}'
+    assert reply.body.decode().splitlines() == [
+        "# TYPE vllm:num_requests_running gauge",
+        f"vllm:num_requests_running{labels} 1.0",
+        "# TYPE vllm:num_requests_waiting gauge",
+        f"vllm:num_requests_waiting{labels} 0.0",
+        "# TYPE vllm:kv_cache_usage_perc gauge",
+        f"vllm:kv_cache_usage_perc{labels} 0.25",
+    ]
+    assert model.requests == 1  # reading the metrics is no request
+
+
+def test_metrics_without_slots_have_no_kv_usage_and_can_be_off() -> None:
+    text = SimModel().handle("GET", "/metrics/", {}, b"").body.decode()
+    assert "vllm:num_requests_waiting" in text and "kv_cache" not in text
+    off = SimModel(SimConfig(metrics=False)).handle("GET", "/metrics", {}, b"")
+    assert off.status == 404 and json_of(off)["error"]["type"] == "not_found_error"

@@ -1,0 +1,464 @@
+"""The adaptive concurrency controller: how many requests to keep in flight, decided on evidence.
+
+What a serving engineer concludes from a server, done continuously:
+
+- **Ramp.** Like TCP's slow start, clocked by answers: each request sent while the window was
+  (nearly) full that gets its first token unqueued opens two more slots (its own slot stays
+  busy while the answer streams, so two new requests double what is sent per round trip), and a
+  round trip here is a time to first token, not a whole answer: long answers do not slow the
+  ramp. Without streaming, an answer frees its slot and opens one more.
+- **Knee.** The ramp stops at the first sign of a queue at the server: its own metrics (requests
+  waiting), or time to first token well above the unloaded value for most recent requests.
+  Throughput is read from the curve of throughput against concurrency, built from every answer
+  with Little's law: a request that saw `n` requests in flight and took `latency` seconds for
+  `tokens` tokens says the server gives about `n * tokens / latency` tokens/s at `n`. Each level
+  is judged on many answers, never on how one burst of completions happened to be spread.
+- **Steady.** Now and then the limit probes higher; a probe is kept when the curve says it
+  bought throughput, and kept probes grow bolder (a recovery ramp). When the curve says a level
+  elsewhere gives clearly more, the limit moves there.
+- **Failures.** A failure (429, 5xx, timeout, reset, cut stream) is capacity evidence only when
+  failures concentrate at high concurrency: among recent requests that saw as many or more in
+  flight as the failed one, at least a third failed. Then the level below becomes a ceiling.
+  Scattered faults, spread over all levels, change nothing, so a background error rate cannot
+  pin the limit to the floor. A server that cuts a running answer when another request arrives
+  (one at a time) shows exactly that pattern at 2 and settles at 1.
+
+Nothing here does I/O or reads a clock: callers pass `now` and what they observed, so every
+decision is unit-testable with synthetic observation streams.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from batchrun.server_metrics import ServerLoad
+
+FULL_WINDOW = 0.75  # a request sent with this share of the limit in flight: the limit was binding
+BASELINE_SAMPLES = 8  # first times to first token that set the unloaded value
+QUEUE_FACTOR = 2.0  # time to first token above 2x unloaded (plus jitter): queued
+JITTER_S = 0.010  # the client's own scheduling jitter on a busy machine, not a server queue
+QUEUE_RECENT = 6  # the knee: at least half of the last 6 first tokens queued
+MIN_SAMPLES = 8  # answers per concurrency level before the curve speaks for it
+BUCKET_KEEP = 64  # recent answers kept per level
+GAIN = 1.10  # twice the concurrency must buy 10% more throughput to be worth it
+KNEE_SHARE = 0.97  # the knee: the lowest level giving 97% of the best throughput measured
+PROBE_GAIN = 1.05  # a probe is kept when it buys 5% more
+PROBE_EVERY = 4  # steady evaluations between probes
+FAILURE_SHARE = 1 / 3  # failures this common at a level and above: capacity, not chance
+MIN_FAILURES = 3  # ... and at least this many of them
+LOAD_FAILURES = ("refused", "cut", "timeout")  # kinds that more load brings on
+WAVE_S = 1.0  # refusals of most requests within a second, at any load: a spent budget
+WAVE_SHARE = 0.5
+RECENT_OUTCOMES = 256
+REPORT_STEP = 1.25  # a ramp is reported each time the limit grows by a quarter
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What one request showed. Concurrency levels count the request itself."""
+
+    sent_in_flight: int  # requests in flight when it was sent
+    ended_in_flight: int  # and when it ended
+    sent_at_limit: int
+    tokens: int = 0
+    latency: float = 0.0
+    ttft: float | None = None
+    failure: str | None = None  # None: a whole answer; else refused|timeout|cut|reset|error
+    retry_after: float | None = None
+
+    @property
+    def level(self) -> float:
+        return (self.sent_in_flight + self.ended_in_flight) / 2
+
+    @property
+    def blamed(self) -> int:
+        """The load a failure is laid at: what it was sent into, or for a failure that can
+        come from load arriving later (a cut answer, a timeout), the most it saw."""
+        if self.failure in ("cut", "timeout"):
+            return max(self.sent_in_flight, self.ended_in_flight)
+        return self.sent_in_flight
+
+
+@dataclass(frozen=True)
+class Change:
+    limit: int
+    reason: str  # ramp | knee | probe | probe kept | probe reverted | move | ceiling | ...
+    signal: str = ""  # the evidence: ttft | throughput | failures | server metrics
+
+
+class Curve:
+    """Throughput against concurrency, from answers (Little's law), in half-octave levels."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, deque[tuple[float, int, float]]] = {}
+
+    @staticmethod
+    def bucket(level: float) -> int:
+        return round(2 * math.log2(max(1.0, level)))
+
+    def add(self, level: float, tokens: int, latency: float) -> None:
+        if latency <= 0:
+            return
+        key = self.bucket(level)
+        samples = self._buckets.setdefault(key, deque(maxlen=BUCKET_KEEP))
+        samples.append((level, tokens, latency))
+
+    def rate(self, key: int) -> float | None:
+        """Tokens/s the server gives at this level, or None on too few answers."""
+        samples = self._buckets.get(key)
+        if samples is None or len(samples) < MIN_SAMPLES:
+            return None
+        level = sum(s[0] for s in samples) / len(samples)
+        latency = sum(s[2] for s in samples)
+        return level * sum(s[1] for s in samples) / latency
+
+    def level(self, key: int) -> float:
+        samples = self._buckets[key]
+        return sum(s[0] for s in samples) / len(samples)
+
+    def known(self) -> list[tuple[int, float]]:
+        """(level key, tokens/s) for every level with enough answers, lowest first."""
+        rates = ((key, self.rate(key)) for key in sorted(self._buckets))
+        return [(key, rate) for key, rate in rates if rate is not None]
+
+    def knee(self) -> float | None:
+        """The lowest level within a few percent of the best measured throughput (too much
+        concurrency costs only latency, too little costs throughput: err high)."""
+        known = self.known()
+        if not known:
+            return None
+        best = max(rate for _, rate in known)
+        return next(self.level(key) for key, rate in known if rate >= KNEE_SHARE * best)
+
+
+@dataclass
+class _Period:
+    """Answers to requests sent at one limit, since it was set: that limit's throughput."""
+
+    level: float = 0.0
+    tokens: int = 0
+    latency: float = 0.0
+    count: int = 0
+
+    def add(self, seen: Observation) -> None:
+        self.level += seen.level
+        self.tokens += seen.tokens
+        self.latency += seen.latency
+        self.count += 1
+
+    def rate(self) -> float | None:
+        if self.count < MIN_SAMPLES or self.latency <= 0:
+            return None
+        return self.level / self.count * self.tokens / self.latency
+
+
+class _QueueSignal:
+    """Time to first token against its unloaded value: is the server queueing our requests?"""
+
+    def __init__(self) -> None:
+        self.baseline: float | None = None
+        self._first: list[float] = []
+        self._recent: deque[tuple[bool, int]] = deque(maxlen=QUEUE_RECENT)
+
+    def add(self, ttft: float, level: int) -> None:
+        if self.baseline is None:
+            self._first.append(ttft)
+            if len(self._first) >= BASELINE_SAMPLES:
+                self.baseline = statistics.median(self._first)
+            return
+        self._recent.append((ttft > QUEUE_FACTOR * self.baseline + JITTER_S, level))
+
+    def queued(self) -> bool:
+        return len(self._recent) == QUEUE_RECENT and sum(q for q, _ in self._recent) >= 3
+
+    def onset(self) -> int:
+        """The lowest level at which recent requests queued."""
+        return min(level for queued, level in self._recent if queued)
+
+    def clear(self) -> None:
+        self._recent.clear()
+
+
+class ConcurrencyController:
+    def __init__(self, *, initial: int = 2, minimum: int = 1, maximum: int = 256) -> None:
+        if not 1 <= minimum <= maximum:
+            raise ValueError("need 1 <= minimum <= maximum")
+        self.minimum = minimum
+        self.maximum = maximum
+        self.limit = max(minimum, min(initial, maximum))
+        self.phase = "ramp"  # ramp | steady | probe
+        self.ceiling: int | None = None  # the most that failures said the server takes
+        self.pause_until = 0.0
+        self.history: list[tuple[float, Change]] = []
+        self.curve = Curve()
+        self._queue = _QueueSignal()
+        self._outcomes: deque[tuple[int, bool]] = deque(maxlen=RECENT_OUTCOMES)
+        self._times: deque[tuple[float, bool]] = deque(maxlen=RECENT_OUTCOMES)  # refused?
+        self._reported = self.limit
+        self._since_change = 0  # answers to requests sent at the current limit
+        self._period = _Period()  # ... and what they showed; then the limit before
+        self._before = _Period()
+        self._evaluations = 0  # steady evaluations since the last probe
+        self._probe_from = self.limit
+        self._probe_step = 1.25
+        self._past_ceiling_wait = 2 * PROBE_EVERY  # evaluations before a look past the ceiling
+        self._fail_level: int | None = None  # the lowest level where failures concentrated
+        self._ramp_failures: list[int] = []  # levels of load-bound failures while ramping
+        self._waiting_reads = 0  # consecutive server-metrics reads with a queue
+        self._roomy_reads = 0  # ... with no queue while our limit was binding
+        self.metrics = False  # the server's own metrics are the queue signal
+
+    # --- feeding it ---------------------------------------------------------------------------
+
+    def first_token(
+        self, now: float, *, ttft: float, sent_in_flight: int, sent_at_limit: int
+    ) -> Change | None:
+        """A streamed answer began: the earliest evidence, long before it is whole.
+
+        While ramping, a request sent under a lower limit still says whether that level
+        queued; once settled, only requests sent at the current limit speak for it."""
+        self._outcomes.append((sent_in_flight, False))  # not refused, not cut before it began
+        if self.phase != "ramp" and sent_at_limit != self.limit:
+            return None
+        if not self.metrics:
+            self._queue.add(ttft, sent_in_flight)
+        if self.phase != "ramp":
+            return None
+        if not self.metrics and self._queue.queued():
+            return self._settle(now, self._queue.onset(), "knee", "ttft")
+        return self._grow(now, sent_in_flight, sent_at_limit, 2)
+
+    def finished(self, now: float, seen: Observation) -> Change | None:
+        """A request ended: a whole answer, or a failure of the kind named."""
+        # An answer vouches for the load it was sent into; a failure may have come from load
+        # that arrived later (a server that cuts the running answer for a new one).
+        # (A streamed answer was counted at its first token.)
+        failed = seen.failure is not None
+        self._times.append((now, seen.failure == "refused"))
+        if failed or seen.ttft is None:
+            self._outcomes.append((seen.blamed, failed))
+        if seen.failure is not None:
+            return self._failed(now, seen)
+        self.curve.add(seen.level, seen.tokens, seen.latency)
+        if self.phase == "ramp":
+            if seen.ttft is None:  # not streamed: answers are the only clock
+                change = self._grow(now, seen.sent_in_flight, seen.sent_at_limit, 1)
+                return change or self._plateau(now)
+            return self._plateau(now)
+        if seen.sent_at_limit != self.limit:
+            return None
+        self._period.add(seen)
+        self._since_change += 1
+        if self.metrics and self.phase == "steady":
+            return None  # the server's own counts steer (server_load); no need to probe
+        if self._since_change >= max(MIN_SAMPLES, self.limit // 2):
+            self._since_change = 0
+            return self._evaluate(now)
+        return None
+
+    def server_load(self, now: float, load: ServerLoad, *, in_flight: int) -> Change | None:
+        """The server's own running/waiting counts: keep its batch full, its queue near 0."""
+        self.metrics = True
+        allowance = max(1.0, 0.05 * load.running)
+        if load.waiting > allowance:
+            self._roomy_reads = 0
+            self._waiting_reads += 1
+            if self.phase == "ramp" or self._waiting_reads >= 2:
+                target = math.ceil(in_flight - load.waiting + allowance)
+                if target < self.limit:
+                    return self._settle(now, target, "queue", "server metrics")
+            return None
+        self._waiting_reads = 0
+        full = load.kv_usage is not None and load.kv_usage >= 0.9
+        binding = in_flight >= FULL_WINDOW * self.limit
+        self._roomy_reads = self._roomy_reads + 1 if binding and not full else 0
+        if self.phase != "ramp" and self._roomy_reads >= 2:
+            self._roomy_reads = 0
+            grown = min(self._cap(), self.limit + max(1, self.limit // 8))
+            return self._set(now, grown, "room", "server metrics")
+        return None
+
+    # --- deciding -----------------------------------------------------------------------------
+
+    def _cap(self) -> int:
+        return min(self.maximum, self.ceiling) if self.ceiling is not None else self.maximum
+
+    def _grow(
+        self, now: float, sent_in_flight: int, sent_at_limit: int, step: int
+    ) -> Change | None:
+        if sent_in_flight < FULL_WINDOW * sent_at_limit or self.limit >= self._cap():
+            return None  # the limit was not what held requests back: no evidence for more
+        self.limit = min(self._cap(), self.limit + step)
+        if self.limit >= self._reported * REPORT_STEP or self.limit >= self._cap():
+            return self._record(now, Change(self.limit, "ramp", "ttft"))
+        return None
+
+    def _plateau(self, now: float) -> Change | None:
+        """During the ramp: stop once doubling the concurrency no longer buys throughput."""
+        known = dict(self.curve.known())
+        keys = [key for key in known if key <= Curve.bucket(self.limit)]
+        if not keys:
+            return None
+        top = max(keys)
+        lower = known.get(top - 2)
+        if lower is None or known[top] >= GAIN * lower:
+            return None
+        knee = self.curve.knee()
+        return self._settle(now, math.ceil(knee), "knee", "throughput") if knee else None
+
+    def _settle(self, now: float, limit: int, reason: str, signal: str) -> Change | None:
+        self.phase = "steady"
+        self._evaluations = PROBE_EVERY // 2  # check the curve above the knee soon
+        self._queue.clear()
+        return self._set(now, limit, reason, signal)
+
+    def _evaluate(self, now: float) -> Change | None:
+        """A steady period's worth of answers at this limit: judge a probe, move, or probe."""
+        if self.phase == "probe":
+            return self._judge_probe(now, self._period.rate())
+        current = self.curve.rate(Curve.bucket(self.limit))
+        best = max(self.curve.known(), key=lambda kr: kr[1], default=None)
+        if current is not None and best is not None and best[1] > GAIN * current:
+            target = math.ceil(self.curve.level(best[0]))
+            if target != self.limit and target <= self._cap():
+                return self._set(now, target, "move", "throughput")
+        self._evaluations += 1
+        if self._evaluations >= PROBE_EVERY:
+            return self._probe(now)
+        return None
+
+    def _probe(self, now: float) -> Change | None:
+        target = min(self.maximum, max(self.limit + 1, math.ceil(self.limit * self._probe_step)))
+        if self.ceiling is not None and target > self.ceiling:
+            past = self._past_ceiling()
+            if past is None:
+                return None
+            target = past
+        self._evaluations = 0
+        if target <= self.limit:
+            return None
+        self._probe_from = self.limit
+        self.phase = "probe"
+        return self._set(now, target, "probe", "throughput")
+
+    def _past_ceiling(self) -> int | None:
+        """Where to look past the ceiling: halfway to where failures began (a binary search
+        for the server's line), or one step past it, less and less often, once the two meet:
+        servers change."""
+        assert self.ceiling is not None
+        if self.limit < self.ceiling:
+            return self.ceiling
+        gap = (self._fail_level or self.ceiling + 1) - self.ceiling
+        if gap <= 1 and self._evaluations < self._past_ceiling_wait:
+            return None
+        return self.ceiling + max(1, gap // 2)
+
+    def _judge_probe(self, now: float, rate: float | None) -> Change | None:
+        self.phase = "steady"
+        if self.ceiling is not None and self.limit > self.ceiling:
+            # Failures set the ceiling, so failures judge a look past it: none came.
+            self.ceiling = self.limit
+            if self._fail_level is not None and self.limit >= self._fail_level:
+                self.ceiling = self._fail_level = None  # past where they began: it has room
+            self._past_ceiling_wait = 2 * PROBE_EVERY
+            self._evaluations = PROBE_EVERY - 1
+            return self._record(now, Change(self.limit, "probe kept", "failures (none)"))
+        before = self._before.rate()
+        if rate is not None and (before is None or rate >= PROBE_GAIN * before):
+            self._evaluations = PROBE_EVERY - 1  # kept: look higher soon, and bolder
+            self._probe_step = min(2.0, self._probe_step * 1.25)
+            return self._record(now, Change(self.limit, "probe kept", "throughput"))
+        self._probe_step = 1.25
+        return self._set(now, self._probe_from, "probe reverted", "throughput")
+
+    def _failed(self, now: float, seen: Observation) -> Change | None:
+        """Capacity evidence only when failures concentrate at high concurrency."""
+        if seen.failure == "refused":
+            self._refusal_wave(now, seen.retry_after)
+        load_bound = seen.failure in LOAD_FAILURES
+        if load_bound and self.phase == "ramp":
+            return self._ramp_failure(now, seen)
+        fail_level = self._fail_level
+        if load_bound and self.phase == "probe" and fail_level and seen.blamed >= fail_level:
+            return self._ceiling_at(now, fail_level, seen)  # where failures began before
+        split = self._failure_split()
+        if split is None or split[1] > seen.blamed:
+            return None  # scattered, or this failure came from below the line: bad luck
+        return self._ceiling_at(now, split[1], seen)
+
+    def _ramp_failure(self, now: float, seen: Observation) -> Change | None:
+        """While ramping, a refusal (or cut, or timeout) at a new height: step back below it at
+        once, so few more requests meet the same fate, and ramp on. A second one at about the
+        same height is a line the server draws: a ceiling."""
+        level = seen.blamed
+        twice = [f for f in self._ramp_failures if abs(f - level) <= max(1, level // 10)]
+        self._ramp_failures.append(level)
+        if twice:
+            return self._ceiling_at(now, min(level, *twice), seen)
+        return self._set(now, min(self.limit, level - 1), "step back", f"failures ({seen.failure})")
+
+    def _ceiling_at(self, now: float, fail_level: int, seen: Observation) -> Change | None:
+        """Failures begin at `fail_level`: stay below it (nothing in between says less)."""
+        self._fail_level = fail_level
+        ceiling = max(self.minimum, fail_level - 1)
+        self.ceiling = ceiling if self.ceiling is None else min(self.ceiling, ceiling)
+        if self.phase == "steady" and self.limit <= self.ceiling:
+            return None
+        if self.phase == "probe" and self._probe_from >= self.ceiling:
+            self._past_ceiling_wait *= 2  # it held: look past it less and less often
+        self.phase = "steady"
+        self._evaluations = 0
+        self._probe_step = 1.25
+        limit = min(self.limit, self.ceiling)
+        change = self._set(now, limit, "ceiling", f"failures ({seen.failure})")
+        return change or self._record(now, Change(limit, "ceiling", f"failures ({seen.failure})"))
+
+    def _refusal_wave(self, now: float, retry_after: float | None) -> None:
+        """Most requests of the last second refused, whatever the load: a spent budget (a
+        hosted API's requests per minute, say). Then everyone waits, not each one alone."""
+        recent = [refused for at, refused in self._times if at >= now - WAVE_S]
+        refused = sum(recent)
+        if refused >= MIN_FAILURES and refused >= WAVE_SHARE * len(recent):
+            self.pause_until = max(self.pause_until, now + (retry_after or 1.0))
+
+    def _failure_split(self) -> tuple[int, int] | None:
+        """The concurrency that best splits recent requests into answered (at or below it) and
+        failed (above it), a failure weighing twice an answer, and the lowest failed level above
+        it; None when no line does better than "failures are scattered" (or fewer than
+        MIN_FAILURES lie above it)."""
+        outcomes = sorted(self._outcomes)
+        total_failed = sum(failed for _, failed in outcomes)
+        if total_failed < MIN_FAILURES:
+            return None
+        total_answered = len(outcomes) - total_failed
+        best_cost, best = 2 * total_failed, None  # the line above everything: no ceiling
+        failed_below = answered_below = 0
+        for i, (level, failed) in enumerate(outcomes):
+            failed_below += failed
+            answered_below += not failed
+            if i + 1 < len(outcomes) and outcomes[i + 1][0] == level:
+                continue  # split only between levels
+            above_failed = total_failed - failed_below
+            cost = 2 * failed_below + (total_answered - answered_below)
+            if above_failed >= MIN_FAILURES and cost < best_cost:
+                best_cost, best = cost, level
+        if best is None:
+            return None
+        return best, min(level for level, failed in outcomes if failed and level > best)
+
+    def _set(self, now: float, limit: int, reason: str, signal: str) -> Change | None:
+        limit = max(self.minimum, min(self.maximum, limit))
+        if limit == self.limit:
+            return None
+        self.limit = limit
+        self._since_change = 0
+        self._before, self._period = self._period, _Period()
+        return self._record(now, Change(limit, reason, signal))
+
+    def _record(self, now: float, change: Change) -> Change:
+        self._reported = change.limit
+        self.history.append((now, change))
+        return change

@@ -1,0 +1,193 @@
+"""The one owner of how many requests are in flight, and of when the next one may go.
+
+The runner and the sender share one Throttle. A request takes a slot for exactly as long as it
+is on the wire (never while it sleeps before a retry), and reports what happened through it:
+
+    async with throttle.slot(estimated_tokens) as slot:
+        completion = await backend.complete(request, on_first_token=slot.first_token)
+        slot.done(completion, output_tokens)        # or slot.failed(error)
+
+Inside, the pure pieces decide (controller.py: the adaptive limit; limiter.py: rate pacing) and
+the throttle applies their answers: the capacity of its slots, the shared pause, and a log line
+through `on_change` for every reported move of the limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import anyio
+
+from batchrun.backends.base import Completion
+from batchrun.controller import Change, ConcurrencyController, Observation
+from batchrun.errors import (
+    ConnectionFailed,
+    Overloaded,
+    RateLimited,
+    RequestError,
+    RequestTimeout,
+    StreamCut,
+    TransientError,
+)
+from batchrun.limiter import Pacer
+from batchrun.server_metrics import ServerLoad
+
+Clock = Callable[[], float]
+Sleep = Callable[[float], Awaitable[None]]
+METRICS_EVERY_S = 0.5
+
+
+class Throttle:
+    def __init__(
+        self,
+        pacer: Pacer,
+        *,
+        controller: ConcurrencyController | None = None,
+        fixed: int = 16,
+        clock: Clock,
+        sleep: Sleep = anyio.sleep,
+        on_change: Callable[[Change], None] | None = None,
+    ) -> None:
+        self.pacer = pacer
+        self.controller = controller
+        self.in_flight = 0  # requests on the wire now
+        self.clock = clock
+        self._sleep = sleep
+        self._on_change = on_change
+        self._slots = anyio.CapacityLimiter(controller.limit if controller else fixed)
+        pacer.in_flight = self.limit
+
+    @property
+    def limit(self) -> int:
+        return int(self._slots.total_tokens)
+
+    @asynccontextmanager
+    async def slot(self, estimated_tokens: int) -> AsyncIterator[Slot]:
+        """Wait for a free slot and the pacer's go, then hold the slot while the request runs."""
+        async with self._slots:
+            wait = self.pacer.wait(self.clock(), estimated_tokens)
+            if wait > 0:
+                await self._sleep(wait)
+            self.in_flight += 1
+            slot = Slot(self, estimated_tokens)
+            try:
+                yield slot
+            finally:
+                self.in_flight -= 1
+
+    async def watch_server(self, read: Callable[[], Awaitable[ServerLoad | None]]) -> bool:
+        """Feed the server's own running/waiting counts to the controller until cancelled.
+
+        Returns False at once if the first reads give nothing (no metrics there)."""
+        if self.controller is None:
+            return False
+        misses = 0
+        while True:
+            load = await read()
+            if load is None:
+                misses += 1
+                if misses >= 3 and not self.controller.metrics:
+                    return False
+            else:
+                now = self.clock()
+                self._apply(self.controller.server_load(now, load, in_flight=self.in_flight))
+            await self._sleep(METRICS_EVERY_S)
+
+    def _apply(self, change: Change | None) -> None:
+        """Bring the slots in line with the controller (it may move without reporting)."""
+        assert self.controller is not None
+        if self.controller.limit != self._slots.total_tokens:
+            self._slots.total_tokens = self.controller.limit
+            self.pacer.in_flight = self.controller.limit
+        if self.controller.pause_until > self.pacer.pause_until:
+            self.pacer.pause(self.controller.pause_until)
+        if change is not None and self._on_change is not None:
+            self._on_change(change)
+
+
+class Slot:
+    """One request on the wire: what it saw, reported once."""
+
+    def __init__(self, throttle: Throttle, estimated_tokens: int) -> None:
+        self._throttle = throttle
+        self._estimate = estimated_tokens
+        self.sent_in_flight = throttle.in_flight
+        self.sent_at_limit = throttle.limit
+
+    def first_token(self, ttft: float) -> None:
+        t = self._throttle
+        if t.controller is None:
+            return
+        sent, limit = self.sent_in_flight, self.sent_at_limit
+        change = t.controller.first_token(
+            t.clock(), ttft=ttft, sent_in_flight=sent, sent_at_limit=limit
+        )
+        t._apply(change)
+
+    def done(self, completion: Completion, output_tokens: int) -> None:
+        t = self._throttle
+        now = t.clock()
+        used = None
+        if completion.completion_tokens is not None:
+            used = (completion.prompt_tokens or 0) + completion.completion_tokens
+        t.pacer.succeeded(
+            now, estimated_tokens=self._estimate, used_tokens=used, rate=completion.rate
+        )
+        seen = self._seen(
+            tokens=output_tokens, latency=completion.latency_s, ttft=completion.ttft_s
+        )
+        self._finish(now, seen)
+
+    def failed(self, error: RequestError) -> None:
+        t = self._throttle
+        now = t.clock()
+        t.pacer.failed(now, error)
+        kind = failure_kind(error)
+        if kind is not None:
+            self._finish(now, self._seen(failure=kind, retry_after=error_retry_after(error)))
+
+    def _seen(
+        self,
+        *,
+        tokens: int = 0,
+        latency: float = 0.0,
+        ttft: float | None = None,
+        failure: str | None = None,
+        retry_after: float | None = None,
+    ) -> Observation:
+        return Observation(
+            sent_in_flight=self.sent_in_flight,
+            ended_in_flight=self._throttle.in_flight,
+            sent_at_limit=self.sent_at_limit,
+            tokens=tokens,
+            latency=latency,
+            ttft=ttft,
+            failure=failure,
+            retry_after=retry_after,
+        )
+
+    def _finish(self, now: float, seen: Observation) -> None:
+        t = self._throttle
+        if t.controller is not None:
+            t._apply(t.controller.finished(now, seen))
+
+
+def failure_kind(error: RequestError) -> str | None:
+    """What a failed request says about the server's capacity; None: nothing (a bad request,
+    a wrong key: the request's or the configuration's fault)."""
+    if not isinstance(error, TransientError):
+        return None
+    if isinstance(error, RateLimited) or (isinstance(error, Overloaded) and error.status == 503):
+        return "refused"
+    if isinstance(error, RequestTimeout):
+        return "timeout"
+    if isinstance(error, StreamCut):
+        return "cut"
+    if isinstance(error, ConnectionFailed):
+        return "reset"
+    return "error"
+
+
+def error_retry_after(error: RequestError) -> float | None:
+    return error.retry_after if isinstance(error, TransientError) else None

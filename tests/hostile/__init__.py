@@ -1,0 +1,1 @@
+"""Misbehaving real servers on 127.0.0.1, and what batchrun must survive against them."""

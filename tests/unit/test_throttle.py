@@ -1,0 +1,155 @@
+"""The throttle: one owner of the slots, fed by each request; and the runner wired to it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from batchrun import jobs
+from batchrun.config import resolve
+from batchrun.controller import ConcurrencyController
+from batchrun.errors import (
+    AuthFailed,
+    ConnectionFailed,
+    Overloaded,
+    RateLimited,
+    RequestTimeout,
+    StreamCut,
+)
+from batchrun.jobs import Home
+from batchrun.ledger import Ledger
+from batchrun.limiter import Pacer
+from batchrun.run_state import RunnerSettings
+from batchrun.sim import SimConfig, SimModel, SimTransport
+from batchrun.throttle import Throttle, failure_kind
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def hold(throttle: Throttle, release: anyio.Event, seen: list[Any], ttft: float) -> None:
+    """One request: take a slot, note what it saw, say its first token came, wait."""
+    async with throttle.slot(10) as slot:
+        seen.append((slot.sent_in_flight, slot.sent_at_limit, throttle.in_flight))
+        slot.first_token(ttft)
+        await release.wait()
+
+
+@pytest.mark.anyio
+async def test_a_slot_counts_a_request_on_the_wire_and_frees_itself() -> None:
+    throttle = Throttle(Pacer(), fixed=2, clock=lambda: 0.0)
+    seen: list[Any] = []
+    release = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(hold, throttle, release, seen, 0.05)
+        await anyio.wait_all_tasks_blocked()
+        assert seen == [(1, 2, 1), (2, 2, 2)]  # the third waits for a slot
+        release.set()
+    assert len(seen) == 3 and throttle.in_flight == 0
+    with pytest.raises(RuntimeError):
+        async with throttle.slot(10):
+            raise RuntimeError("a failed request still gives its slot back")
+    assert throttle.in_flight == 0
+
+
+@pytest.mark.anyio
+async def test_the_controllers_limit_is_the_slots_limit() -> None:
+    ctl = ConcurrencyController(initial=2, maximum=64)
+    changes: list[Any] = []
+    throttle = Throttle(Pacer(), controller=ctl, clock=lambda: 1.0, on_change=changes.append)
+    assert throttle.limit == 2
+    seen: list[Any] = []
+    release = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        for _ in range(8):
+            tg.start_soon(hold, throttle, release, seen, 0.05)
+        await anyio.wait_all_tasks_blocked()
+        # Each unqueued first token opened two more slots, until the eight were all sent.
+        assert throttle.in_flight == 8 and throttle.limit == ctl.limit >= 8
+        assert throttle.pacer.in_flight == throttle.limit
+        release.set()
+    assert changes and changes[0].reason == "ramp"
+
+
+def test_failures_are_named_by_what_they_say_of_capacity() -> None:
+    assert failure_kind(RateLimited("429")) == "refused"
+    assert failure_kind(Overloaded("503", status=503)) == "refused"
+    assert failure_kind(Overloaded("500", status=500)) == "error"
+    assert failure_kind(RequestTimeout("slow")) == "timeout"
+    assert failure_kind(StreamCut("cut")) == "cut"
+    assert failure_kind(ConnectionFailed("reset")) == "reset"
+    assert failure_kind(AuthFailed("401")) is None  # configuration, not capacity
+
+
+async def run_sim(
+    tmp_path: Path, n: int, config: SimConfig, **options: Any
+) -> list[dict[str, Any]]:
+    """A job over the in-process simulator in real (short) time; the job log's events."""
+    home = Home.at(tmp_path, None)
+    ledger = Ledger(home.ledger_url)
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p {i}"}) + "\n" for i in range(n)))
+    spec = resolve({"backend": "sim", **options})
+    jobs.create_job(ledger, "j", path, spec)
+    stats = await jobs.run_job(
+        ledger, home, "j", spec, quiet=True,
+        transport=SimTransport(SimModel(config)),
+        settings=RunnerSettings(drain_timeout=0.0), handle_signals=False,
+    )  # fmt: skip
+    assert stats.by_status == {"done": n}
+    return [json.loads(line) for line in (tmp_path / "logs" / "j.log").read_text().splitlines()]
+
+
+@pytest.mark.anyio
+async def test_auto_follows_the_servers_own_queue_when_it_publishes_one(tmp_path: Path) -> None:
+    config = SimConfig(slots=4, ttft_ms=5, tpot_ms=2, max_output_tokens=24)
+    events = await run_sim(tmp_path, 300, config)
+    moves = [e for e in events if e["event"] == "concurrency"]
+    assert any(e["signal"] == "server metrics" for e in moves)
+    ended = next(e for e in events if e["event"] == "run_stopped")
+    assert 4 <= ended["limit"] <= 12  # four slots, a small queue at most
+
+
+@pytest.mark.anyio
+async def test_without_server_metrics_auto_says_so_and_reads_time_to_first_token(
+    tmp_path: Path,
+) -> None:
+    config = SimConfig(slots=4, ttft_ms=5, tpot_ms=2, max_output_tokens=24, metrics=False)
+    events = await run_sim(tmp_path, 300, config)
+    assert {"event": "server_metrics", "available": False}.items() <= next(
+        e for e in events if e["event"] == "server_metrics"
+    ).items()
+    moves = [e for e in events if e["event"] == "concurrency"]
+    assert moves and all(e["signal"] != "server metrics" for e in moves)
+
+
+@pytest.mark.anyio
+async def test_server_metrics_off_is_not_read(tmp_path: Path) -> None:
+    reads: list[str] = []
+
+    class Counting(SimTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            reads.append(request.url.path)
+            return await super().handle_async_request(request)
+
+    config = SimConfig(slots=4, ttft_ms=1, tpot_ms=1, max_output_tokens=8)
+    home = Home.at(tmp_path, None)
+    ledger = Ledger(home.ledger_url)
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p {i}"}) + "\n" for i in range(20)))
+    spec = resolve({"backend": "sim", "server_metrics": "off"})
+    jobs.create_job(ledger, "j", path, spec)
+    with anyio.fail_after(30):
+        await jobs.run_job(
+            ledger, home, "j", spec, quiet=True, transport=Counting(SimModel(config)),
+            settings=RunnerSettings(drain_timeout=0.0), handle_signals=False,
+        )  # fmt: skip
+    assert "/metrics" not in reads and len(reads) >= 20
