@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 import anyio
 
 from batchrun.backends.base import Completion
-from batchrun.controller import Change, ConcurrencyController, Observation
+from batchrun.controller import Change, ConcurrencyController
 from batchrun.errors import (
     ConnectionFailed,
     Overloaded,
@@ -30,6 +30,7 @@ from batchrun.errors import (
     StreamCut,
     TransientError,
 )
+from batchrun.evidence import Observation
 from batchrun.limiter import Pacer
 from batchrun.server_metrics import ServerLoad
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from batchrun.controller import ConcurrencyController, Curve, Observation
+from batchrun.controller import ConcurrencyController
+from batchrun.evidence import Curve, Observation
 from batchrun.server_metrics import ServerLoad
 
 
