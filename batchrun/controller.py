@@ -44,6 +44,7 @@ from batchrun.evidence import (
 )
 from batchrun.server_metrics import ServerLoad
 
+STEADY = 0.95  # a request sent with this share of the limit in flight shows the limit's load
 FULL_WINDOW = 0.75  # a request sent with this share of the limit in flight: the limit was binding
 GAIN = 1.10  # twice the concurrency must buy 10% more throughput to be worth it
 PROBE_GAIN = 1.05  # a probe is kept when it buys 5% more
@@ -52,6 +53,7 @@ LOAD_FAILURES = ("refused", "cut", "timeout")  # kinds that more load brings on
 WAVE_S = 1.0  # refusals of most requests within a second, at any load: a spent budget
 WAVE_SHARE = 0.5
 RECENT_OUTCOMES = 256
+PAST_CEILING_S = 15.0  # a ceiling stands this long before a look past it (then twice as long)
 REPORT_STEP = 1.25  # a ramp is reported each time the limit grows by a quarter
 
 
@@ -84,7 +86,8 @@ class ConcurrencyController:
         self._evaluations = 0  # steady evaluations since the last probe
         self._probe_from = self.limit
         self._probe_step = 1.25
-        self._past_ceiling_wait = 2 * PROBE_EVERY  # evaluations before a look past the ceiling
+        self._past_ceiling_wait = PAST_CEILING_S  # seconds before a look past the ceiling
+        self._ceiling_since = 0.0
         self._fail_level: int | None = None  # the lowest level where failures concentrated
         self._ramp_failures: list[int] = []  # levels of load-bound failures while ramping
         self._waiting_reads = 0  # consecutive server-metrics reads with a queue
@@ -128,13 +131,13 @@ class ConcurrencyController:
                 change = self._grow(now, seen.sent_in_flight, seen.sent_at_limit, 1)
                 return change or self._plateau(now)
             return self._plateau(now)
-        if seen.sent_at_limit != self.limit:
-            return None
+        if seen.sent_at_limit != self.limit or seen.sent_in_flight < STEADY * self.limit:
+            return None  # not this limit's evidence yet: the queue it brings is still building
         self._period.add(seen)
         self._since_change += 1
         if self.metrics and self.phase == "steady":
             return None  # the server's own counts steer (server_load); no need to probe
-        if self._since_change >= max(MIN_SAMPLES, self.limit // 2):
+        if self._since_change >= max(MIN_SAMPLES, self.limit // 4):
             self._since_change = 0
             return self._evaluate(now)
         return None
@@ -191,7 +194,10 @@ class ConcurrencyController:
 
     def _settle(self, now: float, limit: int, reason: str, signal: str) -> Change | None:
         self.phase = "steady"
-        self._evaluations = PROBE_EVERY // 2  # check the curve above the knee soon
+        # Check the curve above the knee at once, boldly: time to first token may rise with
+        # load (prefill contention) while throughput still grows.
+        self._evaluations = PROBE_EVERY - 1
+        self._probe_step = 2.0
         self._queue.clear()
         return self._set(now, limit, reason, signal)
 
@@ -213,7 +219,7 @@ class ConcurrencyController:
     def _probe(self, now: float) -> Change | None:
         target = min(self.maximum, max(self.limit + 1, math.ceil(self.limit * self._probe_step)))
         if self.ceiling is not None and target > self.ceiling:
-            past = self._past_ceiling()
+            past = self._past_ceiling(now)
             if past is None:
                 return None
             target = past
@@ -224,7 +230,7 @@ class ConcurrencyController:
         self.phase = "probe"
         return self._set(now, target, "probe", "throughput")
 
-    def _past_ceiling(self) -> int | None:
+    def _past_ceiling(self, now: float) -> int | None:
         """Where to look past the ceiling: halfway to where failures began (a binary search
         for the server's line), or one step past it, less and less often, once the two meet:
         servers change."""
@@ -232,7 +238,7 @@ class ConcurrencyController:
         if self.limit < self.ceiling:
             return self.ceiling
         gap = (self._fail_level or self.ceiling + 1) - self.ceiling
-        if gap <= 1 and self._evaluations < self._past_ceiling_wait:
+        if gap <= 1 and now < self._ceiling_since + self._past_ceiling_wait:
             return None
         return self.ceiling + max(1, gap // 2)
 
@@ -243,7 +249,7 @@ class ConcurrencyController:
             self.ceiling = self.limit
             if self._fail_level is not None and self.limit >= self._fail_level:
                 self.ceiling = self._fail_level = None  # past where they began: it has room
-            self._past_ceiling_wait = 2 * PROBE_EVERY
+            self._past_ceiling_wait = PAST_CEILING_S
             self._evaluations = PROBE_EVERY - 1
             return self._record(now, Change(self.limit, "probe kept", "failures (none)"))
         before = self._before.rate()
@@ -289,6 +295,7 @@ class ConcurrencyController:
             return None
         if self.phase == "probe" and self._probe_from >= self.ceiling:
             self._past_ceiling_wait *= 2  # it held: look past it less and less often
+        self._ceiling_since = now
         self.phase = "steady"
         self._evaluations = 0
         self._probe_step = 1.25

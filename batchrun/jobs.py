@@ -12,6 +12,7 @@ import signal
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 import orjson
@@ -198,7 +199,9 @@ def metrics_reader(spec: RunSpec, transport: Transport | None = None) -> Metrics
         return None
     url = metrics_url(spec.base_url) if spec.server_metrics == "auto" else spec.server_metrics
     key = checked_key(spec)
-    headers = {"authorization": f"Bearer {key}"} if key else None
+    # The key goes only to the endpoint's own host (llama-server wants it on /metrics).
+    same_host = urlsplit(url).netloc == urlsplit(spec.base_url).netloc
+    headers = {"authorization": f"Bearer {key}"} if key and same_host else None
     return MetricsReader(url, headers=headers, transport=transport)
 
 
