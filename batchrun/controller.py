@@ -46,8 +46,10 @@ from batchrun.server_metrics import ServerLoad
 
 STEADY = 0.95  # a request sent with this share of the limit in flight shows the limit's load
 FULL_WINDOW = 0.75  # a request sent with this share of the limit in flight: the limit was binding
+KNEE_BELOW = 0.8  # queueing, and the curve's knee this far below: move down to it
 GAIN = 1.10  # twice the concurrency must buy 10% more throughput to be worth it
 PROBE_GAIN = 1.05  # a probe is kept when it buys 5% more
+NOISE_MARGIN = 1.5  # ... and the gain is over 1.5 standard errors of the difference
 PROBE_EVERY = 4  # steady evaluations between probes
 LOAD_FAILURES = ("refused", "cut", "timeout")  # kinds that more load brings on
 WAVE_S = 1.0  # refusals of most requests within a second, at any load: a spent budget
@@ -111,7 +113,10 @@ class ConcurrencyController:
         if self.phase != "ramp":
             return None
         if not self.metrics and self._queue.queued():
-            return self._settle(now, self._queue.onset(), "knee", "ttft")
+            # Settle where it is: a rising time to first token may be a queue (then the curve
+            # soon says a lower level gives as much) or prefill contention while throughput
+            # still grows (then probes pay). Throughput decides either way.
+            return self._settle(now, self.limit, "knee", "ttft")
         return self._grow(now, sent_in_flight, sent_at_limit, 2)
 
     def finished(self, now: float, seen: Observation) -> Change | None:
@@ -192,14 +197,16 @@ class ConcurrencyController:
         knee = self.curve.knee()
         return self._settle(now, math.ceil(knee), "knee", "throughput") if knee else None
 
-    def _settle(self, now: float, limit: int, reason: str, signal: str) -> Change | None:
+    def _settle(self, now: float, limit: int, reason: str, signal: str) -> Change:
         self.phase = "steady"
         # Check the curve above the knee at once, boldly: time to first token may rise with
         # load (prefill contention) while throughput still grows.
         self._evaluations = PROBE_EVERY - 1
         self._probe_step = 2.0
         self._queue.clear()
-        return self._set(now, limit, reason, signal)
+        return self._set(now, limit, reason, signal) or self._record(
+            now, Change(limit, reason, signal)
+        )
 
     def _evaluate(self, now: float) -> Change | None:
         """A steady period's worth of answers at this limit: judge a probe, move, or probe."""
@@ -211,6 +218,10 @@ class ConcurrencyController:
             target = math.ceil(self.curve.level(best[0]))
             if target != self.limit and target <= self._cap():
                 return self._set(now, target, "move", "throughput")
+        knee = self.curve.knee()
+        if knee is not None and knee < KNEE_BELOW * self.limit and self._queue.queued():
+            # Requests queue here and a lower level gives as much: no need to queue them.
+            return self._set(now, math.ceil(knee), "move", "throughput")
         self._evaluations += 1
         if self._evaluations >= PROBE_EVERY:
             return self._probe(now)
@@ -253,12 +264,17 @@ class ConcurrencyController:
             self._evaluations = PROBE_EVERY - 1
             return self._record(now, Change(self.limit, "probe kept", "failures (none)"))
         before = self._before.rate()
-        if rate is not None and (before is None or rate >= PROBE_GAIN * before):
+        if rate is not None and (before is None or self._beats(rate, before)):
             self._evaluations = PROBE_EVERY - 1  # kept: look higher soon, and bolder
             self._probe_step = min(2.0, self._probe_step * 1.25)
             return self._record(now, Change(self.limit, "probe kept", "throughput"))
         self._probe_step = 1.25
         return self._set(now, self._probe_from, "probe reverted", "throughput")
+
+    def _beats(self, rate: float, before: float) -> bool:
+        """The probe bought 5% more, and more than chance moves such averages."""
+        noise = math.hypot(self._period.error(), self._before.error())
+        return rate >= PROBE_GAIN * before and rate - before > NOISE_MARGIN * noise
 
     def _failed(self, now: float, seen: Observation) -> Change | None:
         """Capacity evidence only when failures concentrate at high concurrency."""

@@ -95,25 +95,24 @@ class Curve:
         return next(self.level(key) for key, rate in known if rate >= KNEE_SHARE * best)
 
 
-@dataclass
 class Period:
-    """Answers to requests sent at one limit, since it was set: that limit's throughput."""
+    """Answers to requests sent at one limit, since it was set: that limit's throughput, as
+    the mean of each answer's own estimate (`n * tokens / latency`), with its standard error."""
 
-    level: float = 0.0
-    tokens: int = 0
-    latency: float = 0.0
-    count: int = 0
+    def __init__(self) -> None:
+        self.rates: list[float] = []
 
     def add(self, seen: Observation) -> None:
-        self.level += seen.level
-        self.tokens += seen.tokens
-        self.latency += seen.latency
-        self.count += 1
+        if seen.latency > 0:
+            self.rates.append(seen.level * seen.tokens / seen.latency)
 
     def rate(self) -> float | None:
-        if self.count < MIN_SAMPLES or self.latency <= 0:
-            return None
-        return self.level / self.count * self.tokens / self.latency
+        return statistics.fmean(self.rates) if len(self.rates) >= MIN_SAMPLES else None
+
+    def error(self) -> float:
+        """The standard error of rate(): how far chance alone moves it."""
+        n = len(self.rates)
+        return statistics.stdev(self.rates) / math.sqrt(n) if n >= 2 else math.inf
 
 
 class QueueSignal:

@@ -130,7 +130,8 @@ def test_ramps_fast_and_settles_at_the_knee(slots: int) -> None:
     shape = Shape(slots=slots)
     items = 40 * slots
     run = drive(ConcurrencyController(initial=2, maximum=1024), shape, items)
-    assert slots * 0.9 <= run.ctl.limit <= slots * 1.5
+    # From the knee to about twice it: the curve learns only the levels it visits.
+    assert slots * 0.9 <= run.ctl.limit <= slots * 2.25
     assert share_of_best(run, shape, items) >= 0.9  # ramp included
     reasons = [c.reason for _, c in run.ctl.history]
     assert reasons[0] == "ramp" and "knee" in reasons
