@@ -17,6 +17,7 @@ from batchrun import cli_sim
 from batchrun.backends.metrics_reader import MetricsReader
 from batchrun.server_metrics import ServerLoad, metrics_url, parse_metrics
 from batchrun.sim import SimConfig, SimModel, SimServer, SimTransport
+from tests.unit.test_capacity import Clock
 
 URL = "http://sim.test/metrics"
 Handler = (
@@ -109,14 +110,6 @@ llamacpp:n_busy_slots_per_decode 3.5
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def post_chat(client: httpx.AsyncClient, content: str) -> None:
