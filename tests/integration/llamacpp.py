@@ -53,7 +53,8 @@ def require_llamacpp() -> None:
 class LlamaServer:
     """One server process; `start()` again after `kill()` serves on the same port."""
 
-    def __init__(self, log: Path, n_ctx: int = 512) -> None:
+    def __init__(self, log: Path, n_ctx: int = 512, *, interrupt: bool = False) -> None:
+        self.interrupt = interrupt  # its own default: a new request cuts the running stream
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.log = log
@@ -66,7 +67,7 @@ class LlamaServer:
                 [sys.executable, "-m", "llama_cpp.server", "--model", str(MODEL),
                  "--host", "127.0.0.1", "--port", str(self.port), "--n_ctx", str(self.n_ctx),
                  # by default a new request cuts the stream in progress; queue it instead
-                 "--interrupt_requests", "False"],
+                 "--interrupt_requests", str(self.interrupt)],
                 stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
         deadline = time.monotonic() + STARTUP_TIMEOUT

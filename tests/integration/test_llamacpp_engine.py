@@ -101,3 +101,28 @@ def test_the_server_dies_midway_comes_back_and_resume_completes_the_job(
         assert done_before < 200
     finally:
         server.kill()
+
+
+def test_auto_settles_at_one_on_a_server_that_cuts_a_running_answer_for_a_new_one(
+    cli: CLI, tmp_path: Path
+) -> None:
+    """llama-cpp-python's server as it ships: a new request interrupts the stream in progress.
+    The default `--concurrency auto` must read the cuts as "one at a time" and lose nothing."""
+    require_llamacpp()
+    server = LlamaServer(tmp_path / "server.log", interrupt=True)
+    server.start()
+    try:
+        inp = tmp_path / "in.jsonl"
+        write_prompts(inp, 150)
+        result = cli.run("submit", str(inp), "--backend", "llamacpp", "--base-url", server.url,
+                         "--max-tokens", "16", "--quiet", timeout=300)  # fmt: skip
+    finally:
+        server.kill()
+    assert result.returncode == 0, result.stderr
+    rows = _results(cli, "in")
+    assert [r["status"] for r in rows] == ["done"] * 150  # no item failed
+    log = [json.loads(x) for x in (cli.home / "logs" / "in.log").read_text().splitlines()]
+    stopped = next(e for e in log if e["event"] == "run_stopped")
+    assert stopped["limit"] == 1
+    moves = [e for e in log if e["event"] == "concurrency"]
+    assert any(e["signal"] == "failures (cut)" and e["limit"] == 1 for e in moves)

@@ -153,3 +153,23 @@ async def test_server_metrics_off_is_not_read(tmp_path: Path) -> None:
             settings=RunnerSettings(drain_timeout=0.0), handle_signals=False,
         )  # fmt: skip
     assert "/metrics" not in reads and len(reads) >= 20
+
+
+@pytest.mark.anyio
+async def test_the_key_goes_to_a_metrics_url_only_on_the_endpoints_own_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SECRET_KEY_VAR", "sk-test-1234567890")
+    base = {"base_url": "http://127.0.0.1:9/v1", "api_key_env": "SECRET_KEY_VAR"}
+    own = jobs.metrics_reader(resolve(base))
+    other = jobs.metrics_reader(
+        resolve({**base, "server_metrics": "http://metrics.batchrun.invalid/metrics"})
+    )
+    assert own is not None and other is not None
+    assert own.url == "http://127.0.0.1:9/metrics"
+    assert own._client.headers["authorization"] == "Bearer sk-test-1234567890"
+    assert "authorization" not in other._client.headers  # never to another host
+    assert jobs.metrics_reader(resolve({**base, "server_metrics": "off"})) is None
+    assert jobs.metrics_reader(resolve({**base, "concurrency": 8})) is None  # fixed: not read
+    await own.aclose()
+    await other.aclose()
