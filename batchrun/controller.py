@@ -8,17 +8,21 @@ What a serving engineer concludes from a server, done continuously:
   round trip here is a time to first token, not a whole answer: long answers do not slow the
   ramp. Without streaming, an answer frees its slot and opens one more.
 - **Knee.** The ramp stops at the first sign of a queue at the server: its own metrics (requests
-  waiting), or time to first token well above the unloaded value for most recent requests.
-  Throughput is read from the curve of throughput against concurrency, built from every answer
-  with Little's law: a request that saw `n` requests in flight and took `latency` seconds for
-  `tokens` tokens says the server gives about `n * tokens / latency` tokens/s at `n`. Each level
-  is judged on many answers, never on how one burst of completions happened to be spread.
-- **Steady.** Now and then the limit probes higher; a probe is kept when the curve says it
-  bought throughput, and kept probes grow bolder (a recovery ramp). When the curve says a level
-  elsewhere gives clearly more, the limit moves there.
-- **Failures.** A failure (429, 5xx, timeout, reset, cut stream) is capacity evidence only when
-  failures concentrate at high concurrency: among recent requests that saw as many or more in
-  flight as the failed one, at least a third failed. Then the level below becomes a ceiling.
+  waiting; then it settles where the queue began), or time to first token well above the
+  unloaded value for most recent requests (then it settles where it is: a rising time to first
+  token may be a queue or prefill contention while throughput still grows, and throughput
+  decides which). Throughput is read from the curve of throughput against concurrency
+  (evidence.py), built from every answer with Little's law, each level judged on many answers,
+  never on how one burst of completions happened to be spread.
+- **Steady.** Now and then the limit probes higher (boldly right after a first-token knee); a
+  probe is kept when it bought 5% more throughput and more than chance explains, and kept
+  probes grow bolder (a recovery ramp). When the curve says a level elsewhere gives clearly
+  more, the limit moves there; while requests queue and a lower level gives as much, it moves
+  down to it.
+- **Failures.** While ramping, a refusal, cut answer or timeout at a new height steps back below
+  it at once, and a second at about the same height makes a ceiling. Later, failures are
+  capacity evidence only when they concentrate at high concurrency (evidence.failure_split);
+  the level where they begin becomes a ceiling, looked past now and then by binary search.
   Scattered faults, spread over all levels, change nothing, so a background error rate cannot
   pin the limit to the floor. A server that cuts a running answer when another request arrives
   (one at a time) shows exactly that pattern at 2 and settles at 1.
