@@ -166,7 +166,10 @@ class ConcurrencyController:
         self._waiting_reads = 0
         full = load.kv_usage is not None and load.kv_usage >= 0.9
         binding = in_flight >= FULL_WINDOW * self.limit
-        self._roomy_reads = self._roomy_reads + 1 if binding and not full else 0
+        # Our requests are at the server, not answered and still being read by a busy client
+        # (then more in flight would only wait in the client).
+        arrived = load.running + load.waiting >= FULL_WINDOW * in_flight
+        self._roomy_reads = self._roomy_reads + 1 if binding and arrived and not full else 0
         if self.phase != "ramp" and self._roomy_reads >= 2:
             self._roomy_reads = 0
             grown = min(self._cap(), self.limit + max(1, self.limit // 8))
