@@ -32,10 +32,9 @@ from batchrun.errors import (
 )
 from batchrun.evidence import Observation
 from batchrun.limiter import Pacer
+from batchrun.retry import Clock, Sleep
 from batchrun.server_metrics import ServerLoad
 
-Clock = Callable[[], float]
-Sleep = Callable[[float], Awaitable[None]]
 METRICS_EVERY_S = 0.5
 
 
