@@ -19,6 +19,11 @@ What a serving engineer concludes from a server, done continuously:
   probes grow bolder (a recovery ramp). When the curve says a level elsewhere gives clearly
   more, the limit moves there; while requests queue and a lower level gives as much, it moves
   down to it.
+- **Frontier.** However the limit grows, only a few requests at a time go above the most the
+  server has yet accepted (a success status, long before any token): a server that refuses
+  past a line it draws (a gateway's concurrency cap, a 429 gate) refuses those few, not the
+  whole burst that a doubling would have sent before the first refusal came back. Against a
+  server that accepts at once, this costs the ramp a round trip of response heads per step.
 - **Failures.** While ramping, a refusal, cut answer or timeout at a new height steps back below
   it at once, and a second at about the same height makes a ceiling. Later, failures are
   capacity evidence only when they concentrate at high concurrency (evidence.failure_split);
@@ -61,6 +66,8 @@ WAVE_SHARE = 0.5
 RECENT_OUTCOMES = 256
 PAST_CEILING_S = 15.0  # a ceiling stands this long before a look past it (then twice as long)
 REPORT_STEP = 1.25  # a ramp is reported each time the limit grows by a quarter
+FRONTIER = 2  # requests in flight above the most the server has accepted: at least this many
+FRONTIER_SHARE = 8  # ... or an eighth of that most
 
 
 @dataclass(frozen=True)
@@ -99,8 +106,20 @@ class ConcurrencyController:
         self._waiting_reads = 0  # consecutive server-metrics reads with a queue
         self._roomy_reads = 0  # ... with no queue while our limit was binding
         self.metrics = False  # the server's own metrics are the queue signal
+        self.accepted_most = 0  # the most requests in flight that the server has accepted
+
+    @property
+    def admitted(self) -> int:
+        """How many may be in flight now: the limit, but never more than a few above the most
+        the server has accepted, so a line it draws refuses a few requests, not a burst."""
+        seen = self.accepted_most
+        return min(self.limit, seen + max(FRONTIER, seen // FRONTIER_SHARE))
 
     # --- feeding it ---------------------------------------------------------------------------
+
+    def accepted(self, sent_in_flight: int) -> None:
+        """The server took a request sent with `sent_in_flight` in flight (its own included)."""
+        self.accepted_most = max(self.accepted_most, sent_in_flight)
 
     def first_token(
         self, now: float, *, ttft: float, sent_in_flight: int, sent_at_limit: int
@@ -110,6 +129,7 @@ class ConcurrencyController:
         While ramping, a request sent under a lower limit still says whether that level
         queued; once settled, only requests sent at the current limit speak for it."""
         self._outcomes.append((sent_in_flight, False))  # not refused, not cut before it began
+        self.accepted(sent_in_flight)  # (a backend may not say so apart)
         if self.phase != "ramp" and sent_at_limit != self.limit:
             return None
         if not self.metrics:
@@ -134,6 +154,7 @@ class ConcurrencyController:
             self._outcomes.append((seen.blamed, failed))
         if seen.failure is not None:
             return self._failed(now, seen)
+        self.accepted(seen.sent_in_flight)
         self.curve.add(seen.level, seen.tokens, seen.latency)
         if self.phase == "ramp":
             if seen.ttft is None:  # not streamed: answers are the only clock

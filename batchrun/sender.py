@@ -75,9 +75,7 @@ class Sender:
             request = CompletionRequest(item.endpoint, plan.request())
             async with self.throttle.slot(estimate_request_tokens(request.body)) as slot:
                 try:
-                    completion = await self.backend.complete(
-                        request, on_first_token=slot.first_token
-                    )
+                    completion = await self.backend.complete(request, watch=slot)
                 except RequestError as exc:
                     slot.failed(exc)
                     log_attempt("error", http_status=exc.status, error_kind=type(exc).__name__,

@@ -4,7 +4,7 @@ The runner and the sender share one Throttle. A request takes a slot for exactly
 is on the wire (never while it sleeps before a retry), and reports what happened through it:
 
     async with throttle.slot(estimated_tokens) as slot:
-        completion = await backend.complete(request, on_first_token=slot.first_token)
+        completion = await backend.complete(request, watch=slot)
         slot.done(completion, output_tokens)        # or slot.failed(error)
 
 Inside, the pure pieces decide (controller.py: the adaptive limit; limiter.py: rate pacing) and
@@ -55,12 +55,13 @@ class Throttle:
         self.clock = clock
         self._sleep = sleep
         self._on_change = on_change
-        self._slots = anyio.CapacityLimiter(controller.limit if controller else fixed)
+        self._slots = anyio.CapacityLimiter(controller.admitted if controller else fixed)
         pacer.in_flight = self.limit
 
     @property
     def limit(self) -> int:
-        return int(self._slots.total_tokens)
+        """The concurrency limit (the slots open now may be fewer: controller.admitted)."""
+        return self.controller.limit if self.controller else int(self._slots.total_tokens)
 
     @asynccontextmanager
     async def slot(self, estimated_tokens: int) -> AsyncIterator[Slot]:
@@ -97,9 +98,9 @@ class Throttle:
     def _apply(self, change: Change | None) -> None:
         """Bring the slots in line with the controller (it may move without reporting)."""
         assert self.controller is not None
-        if self.controller.limit != self._slots.total_tokens:
-            self._slots.total_tokens = self.controller.limit
-            self.pacer.in_flight = self.controller.limit
+        if self.controller.admitted != self._slots.total_tokens:
+            self._slots.total_tokens = self.controller.admitted
+        self.pacer.in_flight = self.controller.limit
         if self.controller.pause_until > self.pacer.pause_until:
             self.pacer.pause(self.controller.pause_until)
         if change is not None and self._on_change is not None:
@@ -107,13 +108,19 @@ class Throttle:
 
 
 class Slot:
-    """One request on the wire: what it saw, reported once."""
+    """One request on the wire: what it saw, reported once (a backends.base.Watch)."""
 
     def __init__(self, throttle: Throttle, estimated_tokens: int) -> None:
         self._throttle = throttle
         self._estimate = estimated_tokens
         self.sent_in_flight = throttle.in_flight
         self.sent_at_limit = throttle.limit
+
+    def accepted(self) -> None:
+        t = self._throttle
+        if t.controller is not None:
+            t.controller.accepted(self.sent_in_flight)
+            t._apply(None)
 
     def first_token(self, ttft: float) -> None:
         t = self._throttle

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -46,7 +45,16 @@ class Completion:
     server_timing: dict[str, float] | None = None
 
 
-FirstToken = Callable[[float], None]  # told the seconds to the first token, as it arrives
+class Watch(Protocol):
+    """What the sender hears while one request is on the wire: the concurrency controller's
+    earliest evidence, long before the answer is whole."""
+
+    def accepted(self) -> None:
+        """The server answered with a success status: it took the request (a refusal, by
+        contrast, comes back as an error)."""
+
+    def first_token(self, ttft: float) -> None:
+        """The first content arrived (streaming), `ttft` seconds after sending."""
 
 
 class Backend(Protocol):
@@ -55,12 +63,12 @@ class Backend(Protocol):
     stale_resends: int
 
     async def complete(
-        self, request: CompletionRequest, *, on_first_token: FirstToken | None = None
+        self, request: CompletionRequest, *, watch: Watch | None = None
     ) -> Completion:
         """Send one request; raise a batchrun.errors.RequestError subclass on failure.
 
-        `on_first_token`, if given, is called once when the first content arrives (streaming),
-        long before the answer is whole: the concurrency controller's earliest evidence."""
+        `watch`, if given, is told once when the server accepts the request and once when the
+        first content arrives."""
         ...
 
     async def list_models(self) -> list[str]: ...

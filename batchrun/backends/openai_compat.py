@@ -16,7 +16,7 @@ import httpx
 import orjson
 
 from batchrun import __version__
-from batchrun.backends.base import Completion, CompletionRequest, FirstToken
+from batchrun.backends.base import Completion, CompletionRequest, Watch
 from batchrun.backends.errors_http import error_for_status, rate_info
 from batchrun.backends.pool import ShardedTransport
 from batchrun.errors import (
@@ -121,15 +121,15 @@ class OpenAICompatBackend:
             raise StreamCut(f"{url} did not return a model list") from None
 
     async def complete(
-        self, request: CompletionRequest, *, on_first_token: FirstToken | None = None
+        self, request: CompletionRequest, *, watch: Watch | None = None
     ) -> Completion:
         try:
             try:
-                return await self._complete_once(request, on_first_token=on_first_token)
+                return await self._complete_once(request, watch=watch)
             except BadRequest as exc:
                 if self.stream and self.stream_options and "stream_options" in str(exc):
                     self.stream_options = False  # this server refuses it; ask without it
-                    return await self._complete_once(request, on_first_token=on_first_token)
+                    return await self._complete_once(request, watch=watch)
                 raise
             except EmptyStream:
                 # Ask once more without streaming: a server that says nothing in a stream
@@ -146,7 +146,7 @@ class OpenAICompatBackend:
         request: CompletionRequest,
         *,
         stream: bool | None = None,
-        on_first_token: FirstToken | None = None,
+        watch: Watch | None = None,
     ) -> Completion:
         """One attempt, as the retry policy and the concurrency controller count them.
 
@@ -159,7 +159,7 @@ class OpenAICompatBackend:
         bytes. Go's net/http re-sends on the same evidence (a reused connection, nothing read
         back); a completion has no side effect that a second send would repeat.
         """
-        out = self._outgoing(request, stream, on_first_token)
+        out = self._outgoing(request, stream, watch)
         try:
             with anyio.fail_after(self.timeout):
                 try:
@@ -171,7 +171,7 @@ class OpenAICompatBackend:
             raise RequestTimeout(f"no complete answer within {self.timeout:g}s") from None
 
     def _outgoing(
-        self, request: CompletionRequest, stream: bool | None, on_first_token: FirstToken | None
+        self, request: CompletionRequest, stream: bool | None, watch: Watch | None
     ) -> _Outgoing:
         body = dict(request.body)
         if self.stream if stream is None else stream:
@@ -179,9 +179,7 @@ class OpenAICompatBackend:
             if self.stream_options:
                 body["stream_options"] = {"include_usage": True}
         url = self.base_url + ENDPOINT_PATHS[request.endpoint]
-        return _Outgoing(
-            url, orjson.dumps(body), request.endpoint, time.perf_counter(), on_first_token
-        )
+        return _Outgoing(url, orjson.dumps(body), request.endpoint, time.perf_counter(), watch)
 
     async def _post(
         self, client: httpx.AsyncClient, out: _Outgoing, *, watch_reuse: bool
@@ -201,6 +199,8 @@ class OpenAICompatBackend:
                     content = await resp.aread()
                     raise error_for_status(resp.status_code, resp.headers, content, url)
                 receiving = True
+                if out.watch is not None:
+                    out.watch.accepted()
                 completion = await self._read_answer(resp, out)
                 rate = rate_info(resp.headers)
                 return replace(completion, rate=rate) if rate else completion
@@ -217,7 +217,7 @@ class OpenAICompatBackend:
 
     async def _read_answer(self, resp: httpx.Response, out: _Outgoing) -> Completion:
         if "text/event-stream" in resp.headers.get("content-type", ""):
-            return await self._read_stream(resp, out.endpoint, out.started, out.on_first_token)
+            return await self._read_stream(resp, out.endpoint, out.started, out.watch)
         return self._read_json(await resp.aread(), out.endpoint, out.started)
 
     async def _read_stream(
@@ -225,7 +225,7 @@ class OpenAICompatBackend:
         resp: httpx.Response,
         endpoint: str,
         started: float,
-        on_first_token: FirstToken | None = None,
+        watch: Watch | None = None,
     ) -> Completion:
         pieces: list[str] = []
         times: list[float] = []  # of each non-empty content delta; the first is the TTFT
@@ -264,8 +264,8 @@ class OpenAICompatBackend:
                 piece = _choice_text(choice, endpoint, streamed=True)
                 if piece:
                     times.append(time.perf_counter() - started)
-                    if on_first_token is not None and len(times) == 1:
-                        on_first_token(times[0])
+                    if watch is not None and len(times) == 1:
+                        watch.first_token(times[0])
                     pieces.append(piece)
                 if choice.get("finish_reason"):
                     finish = choice["finish_reason"]
@@ -325,7 +325,7 @@ class _Outgoing:
     content: bytes
     endpoint: str
     started: float  # a re-send's latency and TTFT count from the first send
-    on_first_token: FirstToken | None
+    watch: Watch | None
 
 
 class _StaleConnection(ConnectionFailed):

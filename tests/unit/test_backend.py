@@ -161,6 +161,36 @@ async def test_sim_small_max_tokens_is_length(
     assert result.text == expected_text(request)
 
 
+class Heard:
+    """A backends.base.Watch that writes down what it was told, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def accepted(self) -> None:
+        self.events.append("accepted")
+
+    def first_token(self, ttft: float) -> None:
+        assert ttft >= 0
+        self.events.append("first token")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [True, False])
+async def test_the_watch_hears_acceptance_then_the_first_token(stream: bool) -> None:
+    heard = Heard()
+    backend = sim_backend(stream=stream)
+    await backend.complete(chat(), watch=heard)
+    refused = Heard()
+    gate = mock_backend(error_json(429, "busy"))
+    with pytest.raises(RateLimited):
+        await gate.complete(chat(), watch=refused)
+    await backend.aclose()
+    await gate.aclose()
+    assert heard.events == (["accepted", "first token"] if stream else ["accepted"])
+    assert refused.events == []  # a refusal is not an acceptance
+
+
 @pytest.mark.anyio
 async def test_sim_list_models() -> None:
     model = SimModel(SimConfig(models=("m-one", "m-two")))

@@ -1,8 +1,9 @@
 """The concurrency controller against synthetic servers, in simulated time: no I/O, no clock.
 
-`drive` plays a closed loop of whole jobs: it keeps `ctl.limit` requests in flight, each one
-seeing the server shape at the concurrency it was sent with, and feeds the controller first
-tokens, answers and failures in time order, as the throttle does in a real run.
+`drive` plays a closed loop of whole jobs: it keeps `ctl.admitted` requests in flight, each one
+seeing the server shape at the concurrency it was sent with, and feeds the controller response
+heads (HEAD_S after sending), first tokens, answers and failures in time order, as the throttle
+does in a real run.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class Shape:
         return max(self.rate(n) for n in range(1, (self.gate or 1024) + 1))
 
 
+HEAD_S = 0.001  # a server's success or refusal status comes back this soon
+
+
 @dataclass
 class Run:
     elapsed: float
@@ -82,8 +86,9 @@ def drive(ctl: ConcurrencyController, shape: Shape, items: int, seed: int = 0) -
             cancelled.add(victim)
             heapq.heappush(events, (now + 0.001, victim, "cut", running.pop(victim)))
         if shape.gate is not None and n > shape.gate:
-            heapq.heappush(events, (now + 0.001, rid, "refused", req))
+            heapq.heappush(events, (now + HEAD_S, rid, "refused", req))
             return
+        heapq.heappush(events, (now + HEAD_S, rid, "accepted", req))
         if rng.random() < shape.fault_rate:
             heapq.heappush(events, (now + shape.service(n) / 2, rid, "error", req))
             return
@@ -94,7 +99,7 @@ def drive(ctl: ConcurrencyController, shape: Shape, items: int, seed: int = 0) -
         heapq.heappush(events, (now + wait + shape.service(n), rid, "end", req))
 
     while pending or events:
-        while pending and in_flight < ctl.limit and now >= ctl.pause_until:
+        while pending and in_flight < ctl.admitted and now >= ctl.pause_until:
             send()
         if not events:
             now = max(now, ctl.pause_until)
@@ -103,6 +108,9 @@ def drive(ctl: ConcurrencyController, shape: Shape, items: int, seed: int = 0) -
         if rid in cancelled and kind in ("first", "end"):
             continue
         n, limit, at = int(req["n"]), int(req["limit"]), req["at"]
+        if kind == "accepted":
+            ctl.accepted(n)
+            continue
         if kind == "first":
             ctl.first_token(now, ttft=now - at, sent_in_flight=n, sent_at_limit=limit)
             continue
@@ -163,6 +171,29 @@ def test_a_429_gate_becomes_a_ceiling_with_few_refusals() -> None:
     assert run.ctl.ceiling is not None and 90 <= run.ctl.ceiling <= 100
     assert run.failures / run.sent < 0.01
     assert any(c.signal.startswith("failures") for _, c in run.ctl.history)
+
+
+@pytest.mark.parametrize("gate", [24, 64])
+def test_a_gate_met_while_ramping_refuses_a_few_not_a_burst(gate: int) -> None:
+    # First tokens that come together would open many slots at once; only a few requests go
+    # above the most the server has accepted, so the gate refuses those few.
+    shape = Shape(slots=512, gate=gate, ttft=0.03, tpot=0.01, tokens=60)
+    run = drive(ConcurrencyController(), shape, 500)
+    assert 1 <= run.failures <= max(2, gate // 8) + 1
+    assert run.ctl.ceiling is not None and gate - 2 <= run.ctl.ceiling <= gate
+
+
+def test_the_frontier_follows_what_the_server_accepted() -> None:
+    ctl = ConcurrencyController(initial=2)
+    assert ctl.admitted == 2
+    ctl.limit = 100  # (as a ramp would set it)
+    assert ctl.admitted == 2  # nothing accepted yet
+    ctl.accepted(2)
+    assert ctl.admitted == 4
+    ctl.accepted(64)
+    assert ctl.admitted == 72  # an eighth above the most accepted
+    ctl.accepted(96)
+    assert ctl.admitted == 100  # the limit binds
 
 
 def test_scattered_faults_do_not_pin_the_limit() -> None:

@@ -79,6 +79,33 @@ async def test_the_controllers_limit_is_the_slots_limit() -> None:
     assert changes and changes[0].reason == "ramp"
 
 
+async def held(throttle: Throttle, accept: anyio.Event, sent: list[int]) -> None:
+    """One request that the server takes (a success status) when `accept` is set."""
+    async with throttle.slot(10) as slot:
+        sent.append(slot.sent_in_flight)
+        await accept.wait()
+        slot.accepted()
+        await anyio.sleep_forever()
+
+
+@pytest.mark.anyio
+async def test_slots_open_above_what_the_server_accepted_only_a_few_at_a_time() -> None:
+    ctl = ConcurrencyController(initial=2, maximum=64)
+    ctl.limit = 40  # a ramp got here on first tokens that came together
+    throttle = Throttle(Pacer(), controller=ctl, clock=lambda: 1.0)
+    accept = anyio.Event()
+    sent: list[int] = []
+    async with anyio.create_task_group() as tg:
+        for _ in range(40):
+            tg.start_soon(held, throttle, accept, sent)
+        await anyio.wait_all_tasks_blocked()
+        assert throttle.limit == 40 and throttle.in_flight == 2  # none accepted yet
+        accept.set()  # each acceptance opens the next few slots, up to the limit
+        await anyio.wait_all_tasks_blocked()
+        assert throttle.in_flight == 40 and sorted(sent) == list(range(1, 41))
+        tg.cancel_scope.cancel()
+
+
 def test_failures_are_named_by_what_they_say_of_capacity() -> None:
     assert failure_kind(RateLimited("429")) == "refused"
     assert failure_kind(Overloaded("503", status=503)) == "refused"
