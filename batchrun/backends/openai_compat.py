@@ -16,21 +16,20 @@ import httpx
 import orjson
 
 from batchrun import __version__
+from batchrun.backends.answers import StreamedAnswer, read_json
 from batchrun.backends.base import Completion, CompletionRequest, Watch
 from batchrun.backends.errors_http import error_for_status, rate_info
 from batchrun.backends.pool import ShardedTransport
+from batchrun.backends.sse import SSEDecoder
 from batchrun.errors import (
     BadRequest,
     ConnectionFailed,
     EmptyStream,
-    Overloaded,
     RequestError,
     RequestTimeout,
     StreamCut,
 )
 
-# Server-side timings some servers put in `usage` (Groq), in seconds.
-SERVER_TIMING = ("queue_time", "prompt_time", "completion_time", "total_time")
 ENDPOINT_PATHS = {"chat": "/chat/completions", "completions": "/completions"}
 
 
@@ -217,80 +216,20 @@ class OpenAICompatBackend:
 
     async def _read_answer(self, resp: httpx.Response, out: _Outgoing) -> Completion:
         if "text/event-stream" in resp.headers.get("content-type", ""):
-            return await self._read_stream(resp, out.endpoint, out.started, out.watch)
-        return self._read_json(await resp.aread(), out.endpoint, out.started)
+            return await self._read_stream(resp, out)
+        return read_json(await resp.aread(), out.endpoint, out.started)
 
-    async def _read_stream(
-        self,
-        resp: httpx.Response,
-        endpoint: str,
-        started: float,
-        watch: Watch | None = None,
-    ) -> Completion:
-        pieces: list[str] = []
-        times: list[float] = []  # of each non-empty content delta; the first is the TTFT
-        finish: str | None = None
-        usage: dict[str, Any] | None = None
-        done = False
-        saw_choice = False
-        # Read to the end rather than break at [DONE]: servers close the body right after it,
-        # and a generator left half-read costs a finaliser task per layer of httpx's stream.
-        events = 0
-        async for line in resp.aiter_lines():
-            if done or not line.startswith("data:"):
-                continue
-            events += 1
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
-                continue
-            try:
-                chunk = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                raise StreamCut(f"unreadable stream chunk: {data[:100]!r}") from None
-            if not isinstance(chunk, dict):
-                continue
-            if chunk.get("error"):
-                raise Overloaded(f"server error mid-stream: {str(chunk['error'])[:300]}")
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            choices = chunk.get("choices") or []
-            if not isinstance(choices, list):
-                raise StreamCut(f"malformed stream chunk: 'choices' is {type(choices).__name__}")
-            for choice in choices:
-                if not isinstance(choice, dict):
-                    raise StreamCut("malformed stream chunk: a choice is not an object")
-                saw_choice = True
-                piece = _choice_text(choice, endpoint, streamed=True)
-                if piece:
-                    times.append(time.perf_counter() - started)
-                    if watch is not None and len(times) == 1:
-                        watch.first_token(times[0])
-                    pieces.append(piece)
-                if choice.get("finish_reason"):
-                    finish = choice["finish_reason"]
-        if not events:
+    async def _read_stream(self, resp: httpx.Response, out: _Outgoing) -> Completion:
+        answer = StreamedAnswer(out.endpoint, out.started, out.watch)
+        decoder = SSEDecoder()
+        # Read to the end rather than stop at [DONE]: servers close the body right after it,
+        # and a body left half-read costs the connection.
+        async for data in resp.aiter_bytes():
+            answer.add(decoder.feed(data))
+        answer.add(decoder.close())
+        if not answer.events:
             raise EmptyStream("the event stream closed without a single event")
-        if not saw_choice:
-            raise StreamCut("stream carried no choices")
-        if not done and finish is None:
-            raise StreamCut("stream ended before its final chunk")
-        completion = _completion(
-            "".join(pieces), finish, usage, started, times[0] if times else None
-        )
-        return replace(completion, chunk_times=tuple(times))
-
-    @staticmethod
-    def _read_json(content: bytes, endpoint: str, started: float) -> Completion:
-        try:
-            data = orjson.loads(content)
-        except orjson.JSONDecodeError:
-            raise StreamCut(f"response is not JSON: {content[:100]!r}") from None
-        choices = data.get("choices") if isinstance(data, dict) else None
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise StreamCut("response has no usable choices")
-        text = _choice_text(choices[0], endpoint, streamed=False) or ""
-        return _completion(text, choices[0].get("finish_reason"), data.get("usage"), started, None)
+        return answer.completion()
 
     @staticmethod
     def _describe(exc: Exception, url: str | None = None) -> str:
@@ -360,36 +299,3 @@ def _unanswered(exc: httpx.TransportError) -> bool:
     """Whether the connection ended with nothing read back: a reset, or httpcore's "Server
     disconnected without sending a response." A malformed answer (bytes came back) is not."""
     return isinstance(exc, httpx.ReadError) or str(exc).startswith("Server disconnected")
-
-
-def _choice_text(choice: dict[str, Any], endpoint: str, *, streamed: bool) -> str | None:
-    if endpoint == "completions":
-        text = choice.get("text")
-        return text if isinstance(text, str) else None
-    part = choice.get("delta" if streamed else "message") or {}
-    content = part.get("content") if isinstance(part, dict) else None
-    return content if isinstance(content, str) else None
-
-
-def _completion(
-    text: str, finish: str | None, usage: Any, started: float, ttft: float | None
-) -> Completion:
-    usage = usage if isinstance(usage, dict) else {}
-    timing = {k: float(usage[k]) for k in SERVER_TIMING if _is_number(usage.get(k))}
-    return Completion(
-        text=text,
-        finish_reason=finish,
-        prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
-        completion_tokens=_int_or_none(usage.get("completion_tokens")),
-        latency_s=time.perf_counter() - started,
-        ttft_s=ttft,
-        server_timing=timing or None,
-    )
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _int_or_none(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None

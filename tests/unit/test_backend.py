@@ -442,6 +442,39 @@ async def test_non_json_200_is_stream_cut(stream: bool) -> None:
     assert isinstance(exc, StreamCut)
 
 
+def raw_sse(body: bytes) -> Handler:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+    return handler
+
+
+@pytest.mark.anyio
+async def test_an_event_split_over_data_lines_with_crlf_is_read_whole() -> None:
+    body = (
+        b': keep-alive\r\n\r\ndata: {"choices": [{"index": 0,\r\n'
+        b'data: "delta": {"content": "Hi"}, "finish_reason": "stop"}]}\r\n\r\n'
+        b"data: [DONE]\r\n\r\n"
+    )
+    backend = mock_backend(raw_sse(body))
+    try:
+        result = await backend.complete(chat())
+    finally:
+        await backend.aclose()
+    assert (result.text, result.finish_reason) == ("Hi", "stop")
+
+
+@pytest.mark.anyio
+async def test_an_sse_error_event_is_a_failed_attempt_with_the_servers_message() -> None:
+    body = (
+        b'data: {"choices": [{"index": 0, "delta": {"content": "Hel"}}]}\n\n'
+        b'event: error\ndata: {"message": "KV cache full"}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    exc = await fails_with(mock_backend(raw_sse(body)), chat())
+    assert isinstance(exc, Overloaded) and "KV cache full" in str(exc)
+
+
 @pytest.mark.anyio
 async def test_mid_stream_error_chunk_is_overloaded() -> None:
     def handler(request: httpx.Request) -> httpx.Response:

@@ -1,0 +1,145 @@
+"""Answers read from an OpenAI-compatible server: one JSON body, or a stream of SSE events.
+
+StreamedAnswer is fed the events of one streamed answer as they arrive (sse.py) and keeps only
+what the answer needs: its text pieces, the finish reason, usage, and when content arrived.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+import orjson
+
+from batchrun.backends.base import Completion, Watch
+from batchrun.backends.sse import Event
+from batchrun.errors import Overloaded, StreamCut
+
+# Server-side timings some servers put in `usage` (Groq), in seconds.
+SERVER_TIMING = ("queue_time", "prompt_time", "completion_time", "total_time")
+
+
+class StreamedAnswer:
+    def __init__(self, endpoint: str, started: float, watch: Watch | None) -> None:
+        self.endpoint = endpoint
+        self.started = started
+        self.watch = watch
+        self.events = 0
+        self.done = False  # `data: [DONE]` came
+        self.pieces: list[str] = []
+        self.times: list[float] = []  # seconds from sending to each read that brought content
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.saw_choice = False
+
+    def add(self, events: list[Event]) -> None:
+        """The events one network read completed (they arrived together)."""
+        pieces = len(self.pieces)
+        for event in events:
+            if not self.done:
+                self._add(event)
+        if len(self.pieces) > pieces:
+            self._arrived(time.perf_counter() - self.started)
+
+    def _add(self, event: Event) -> None:
+        self.events += 1
+        if event.data == b"[DONE]":
+            self.done = True
+            return
+        try:
+            chunk = orjson.loads(event.data)
+        except orjson.JSONDecodeError:
+            raise StreamCut(f"unreadable stream chunk: {event.data[:100]!r}") from None
+        if event.kind == "error":
+            raise Overloaded(f"server error mid-stream: {_message(chunk)[:300]}")
+        if not isinstance(chunk, dict):
+            return
+        if chunk.get("error"):
+            raise Overloaded(f"server error mid-stream: {str(chunk['error'])[:300]}")
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices") or []
+        if not isinstance(choices, list):
+            raise StreamCut(f"malformed stream chunk: 'choices' is {type(choices).__name__}")
+        for choice in choices:
+            if not isinstance(choice, dict):
+                raise StreamCut("malformed stream chunk: a choice is not an object")
+            self.saw_choice = True
+            piece = choice_text(choice, self.endpoint, streamed=True)
+            if piece:
+                self.pieces.append(piece)
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+
+    def _arrived(self, at: float) -> None:
+        self.times.append(at)
+        if len(self.times) == 1 and self.watch is not None:
+            self.watch.first_token(at)
+
+    def completion(self) -> Completion:
+        """The answer once its stream has ended (raises if it is not whole)."""
+        if not self.saw_choice:
+            raise StreamCut("stream carried no choices")
+        if not self.done and self.finish is None:
+            raise StreamCut("stream ended before its final chunk")
+        ttft = self.times[0] if self.times else None
+        text = "".join(self.pieces)
+        made = completion(text, self.finish, self.usage, self.started, ttft)
+        return replace(made, chunk_times=tuple(self.times))
+
+
+def read_json(content: bytes, endpoint: str, started: float) -> Completion:
+    try:
+        data = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        raise StreamCut(f"response is not JSON: {content[:100]!r}") from None
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise StreamCut("response has no usable choices")
+    text = choice_text(choices[0], endpoint, streamed=False) or ""
+    return completion(text, choices[0].get("finish_reason"), data.get("usage"), started, None)
+
+
+def choice_text(choice: dict[str, Any], endpoint: str, *, streamed: bool) -> str | None:
+    if endpoint == "completions":
+        text = choice.get("text")
+        return text if isinstance(text, str) else None
+    part = choice.get("delta" if streamed else "message") or {}
+    content = part.get("content") if isinstance(part, dict) else None
+    return content if isinstance(content, str) else None
+
+
+def completion(
+    text: str, finish: str | None, usage: Any, started: float, ttft: float | None
+) -> Completion:
+    usage = usage if isinstance(usage, dict) else {}
+    timing = {k: float(usage[k]) for k in SERVER_TIMING if _is_number(usage.get(k))}
+    return Completion(
+        text=text,
+        finish_reason=finish,
+        prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
+        completion_tokens=_int_or_none(usage.get("completion_tokens")),
+        latency_s=time.perf_counter() - started,
+        ttft_s=ttft,
+        server_timing=timing or None,
+    )
+
+
+def _message(chunk: Any) -> str:
+    """The server's own words from an `event: error` body ({"message": ...} or {"error": ...})."""
+    if isinstance(chunk, dict):
+        inner = chunk.get("error", chunk)
+        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+            return str(inner["message"])
+        if isinstance(inner, str):
+            return inner
+    return str(chunk)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

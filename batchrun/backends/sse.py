@@ -1,0 +1,77 @@
+"""Server-sent events, parsed in bulk from the bytes as they arrive.
+
+A streamed answer is one event per token, so the parser runs per token: it works on whole
+network reads, splits them on blank lines (the end of an event), and takes the common event,
+one `data:` line, without looking at it line by line. Everything else is parsed as the
+WHATWG HTML standard says: lines end in CRLF, LF or CR; a line starting with `:` is a comment;
+`data:` lines of one event are joined with LF; one space after the colon is dropped; `event:`
+names the event; `id:` and `retry:` are read and ignored (nothing here reconnects); a leading
+byte-order mark is dropped.
+
+One choice of ours: an event that the stream's end cuts short of its blank line is still
+delivered by close() (the standard drops it). Servers that end with `data: [DONE]` and a single
+newline exist; whether an answer is whole is decided by its content (a finish reason), and a
+JSON event cut in half does not parse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    data: bytes
+    kind: str = "message"  # the `event:` field
+
+
+class SSEDecoder:
+    """Feed bytes as they come; get back the events they completed."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._crlf = False  # a CR has been seen: line ends need normalising
+        self._started = False
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        if not self._started and chunk:
+            self._started = True
+            chunk = chunk.removeprefix(b"\xef\xbb\xbf")
+        if b"\r" in chunk:
+            self._crlf = True
+        buffer = self._buffer + chunk if self._buffer else chunk
+        if self._crlf:
+            if buffer.endswith(b"\r"):  # its LF may come in the next read
+                self._buffer = buffer
+                return []
+            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        blocks = buffer.split(b"\n\n")
+        self._buffer = blocks.pop()
+        return [event for block in blocks if (event := _event(block)) is not None]
+
+    def close(self) -> list[Event]:
+        """The stream ended: the event it cut short of its blank line, if any."""
+        rest = self._buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        self._buffer = b""
+        blocks = rest.split(b"\n\n")
+        return [event for block in blocks if (event := _event(block.strip(b"\n"))) is not None]
+
+
+def _event(block: bytes) -> Event | None:
+    if block.startswith(b"data: ") and b"\n" not in block:
+        return Event(block[6:])  # the common case: one data line
+    data: list[bytes] = []
+    kind = "message"
+    for line in block.split(b"\n"):
+        if not line or line.startswith(b":"):
+            continue
+        name, colon, value = line.partition(b":")
+        if colon and value.startswith(b" "):
+            value = value[1:]
+        if name == b"data":
+            data.append(value)
+        elif name == b"event":
+            kind = value.decode("utf-8", "replace") or "message"
+    if not data:
+        return None  # comments, ids, an event with no data: nothing is dispatched
+    return Event(b"\n".join(data), kind)
