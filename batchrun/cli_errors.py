@@ -1,4 +1,4 @@
-"""How the CLI reports: one line on stderr, and the exit code SPEC §6 gives each kind of error."""
+"""How the CLI reports: one line on stderr, and the exit code the README gives each error."""
 
 from __future__ import annotations
 

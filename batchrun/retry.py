@@ -121,8 +121,30 @@ class RetryPolicy:
         """Run fn until it succeeds, fails permanently, or runs out of attempts.
 
         `key` names the item. Failures during an outage do not count against its attempts;
-        the outage watch decides when the whole job gives up instead."""
-        counted = 0
+        the outage watch decides when the whole job gives up instead.
+
+        The first attempt runs on its own: most succeed, and a tenacity loop costs more per
+        call than the rest of the bookkeeping. Its failure hands over to the loop, which waits
+        first, as it would have after the same failure."""
+        self.outage.check()
+        try:
+            result = await fn()
+        except TransientError as exc:
+            counted = 0 if self.outage.failure(exc, key) else 1
+            if counted >= self.max_attempts:
+                raise
+            await self.sleep(self._first_wait(exc))
+            return await self._retrying(fn, key, counted)
+        self.outage.success(key)
+        return result
+
+    def _first_wait(self, exc: TransientError) -> float:
+        state = RetryCallState(AsyncRetrying(), None, (), {})
+        state.set_exception((type(exc), exc, exc.__traceback__))
+        return self._wait(state)
+
+    async def _retrying(self, fn: Callable[[], Awaitable[T]], key: Hashable, counted: int) -> T:
+        """The attempts after the first (tenacity numbers them from 2 on, for the backoff)."""
 
         def out_of_attempts(_state: RetryCallState) -> bool:
             return counted >= self.max_attempts
@@ -134,7 +156,11 @@ class RetryPolicy:
             sleep=self.sleep,
             reraise=True,
         )
+        first = True
         async for attempt in retrying:
+            if first:  # the first attempt ran before the loop
+                attempt.retry_state.attempt_number += 1
+                first = False
             with attempt:
                 self.outage.check()
                 try:

@@ -16,10 +16,10 @@ import httpx
 import orjson
 
 from batchrun import __version__
+from batchrun.backends.aiohttp_transport import AiohttpTransport
 from batchrun.backends.answers import StreamedAnswer, read_json
 from batchrun.backends.base import Completion, CompletionRequest, Watch
 from batchrun.backends.errors_http import error_for_status, rate_info
-from batchrun.backends.pool import ShardedTransport
 from batchrun.backends.sse import SSEDecoder
 from batchrun.errors import (
     BadRequest,
@@ -51,27 +51,45 @@ class OpenAICompatBackend:
         self.stream_options = stream_options
         self._api_key = api_key
         self._max_connections = max_connections
-        # One httpx pool costs O(connections) per request: shard it (see pool.py).
-        self._client = self._new_client(transport or ShardedTransport(max_connections))
+        # aiohttp's engine under httpx (see aiohttp_transport.py): its cost per request and per
+        # streamed chunk is a fraction of httpcore's. Requests go straight to the transport:
+        # httpx.AsyncClient's cookies, redirects, auth and URL merging cost more per request
+        # than the wire itself, and a completion needs none of them.
+        self._transport = transport or AiohttpTransport(max_connections)
         self._owns_transport = transport is None
-        self._fresh_client: httpx.AsyncClient | None = None  # see _fresh
+        self._fresh_transport: httpx.AsyncBaseTransport | None = None  # see _fresh
+        headers = {"content-type": "application/json", "user-agent": f"batchrun/{__version__}"}
+        if api_key:
+            headers["authorization"] = f"Bearer {api_key}"
+        self._headers = httpx.Headers(headers)
+        self._timeouts = httpx.Timeout(timeout, connect=min(timeout, 10.0)).as_dict()
+        self._urls = {
+            kind: httpx.URL(self.base_url + path) for kind, path in ENDPOINT_PATHS.items()
+        }
         # Requests sent again because their pooled connection was found closed (see
         # _complete_once): not attempts, so nothing else counts them.
         self.stale_resends = 0
 
-    def _new_client(self, transport: httpx.AsyncBaseTransport) -> httpx.AsyncClient:
-        headers = {"content-type": "application/json", "user-agent": f"batchrun/{__version__}"}
-        if self._api_key:
-            headers["authorization"] = f"Bearer {self._api_key}"
-        return httpx.AsyncClient(
-            transport=transport,
-            headers=headers,
-            timeout=httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0)),
+    async def _send(
+        self,
+        transport: httpx.AsyncBaseTransport,
+        method: str,
+        url: httpx.URL,
+        content: bytes | None = None,
+        trace: _ConnectionTrace | None = None,
+    ) -> httpx.Response:
+        """One request through the transport (its response must be closed by the caller)."""
+        extensions: dict[str, Any] = {"timeout": self._timeouts}
+        if trace is not None:
+            extensions["trace"] = trace
+        request = httpx.Request(
+            method, url, headers=self._headers, content=content, extensions=extensions
         )
+        return await transport.handle_async_request(request)
 
-    def _fresh(self) -> httpx.AsyncClient:
-        """The client for sending again after a stale pooled connection: it keeps no connection
-        alive, so each request opens its own.
+    def _fresh(self) -> httpx.AsyncBaseTransport:
+        """The transport for sending again after a stale pooled connection: it keeps no
+        connection alive, so each request opens its own.
 
         Sending again through the pool would not do: the pool hands out its first idle
         connection, and idle connections go stale together (one keep-alive timeout after a lull
@@ -83,18 +101,15 @@ class OpenAICompatBackend:
         through it, still once.
         """
         if not self._owns_transport:
-            return self._client
-        if self._fresh_client is None:
-            limits = httpx.Limits(
-                max_connections=self._max_connections, max_keepalive_connections=0
-            )
-            self._fresh_client = self._new_client(httpx.AsyncHTTPTransport(limits=limits))
-        return self._fresh_client
+            return self._transport
+        if self._fresh_transport is None:
+            self._fresh_transport = AiohttpTransport(self._max_connections, keepalive=False)
+        return self._fresh_transport
 
     async def aclose(self) -> None:
-        await self._client.aclose()
-        if self._fresh_client is not None:
-            await self._fresh_client.aclose()
+        await self._transport.aclose()
+        if self._fresh_transport is not None:
+            await self._fresh_transport.aclose()
 
     async def list_models(self) -> list[str]:
         try:
@@ -106,7 +121,11 @@ class OpenAICompatBackend:
         url = f"{self.base_url}/models"
         try:
             with anyio.fail_after(self.timeout):
-                response = await self._client.get(url)
+                response = await self._send(self._transport, "GET", httpx.URL(url))
+                try:
+                    await response.aread()
+                finally:
+                    await response.aclose()
         except (TimeoutError, httpx.TimeoutException):
             raise RequestTimeout(f"no answer from {url} within {self.timeout:g}s") from None
         except httpx.TransportError as exc:
@@ -162,7 +181,7 @@ class OpenAICompatBackend:
         try:
             with anyio.fail_after(self.timeout):
                 try:
-                    return await self._post(self._client, out, watch_reuse=True)
+                    return await self._post(self._transport, out, watch_reuse=True)
                 except _StaleConnection:
                     self.stale_resends += 1
                     return await self._post(self._fresh(), out, watch_reuse=False)
@@ -177,23 +196,21 @@ class OpenAICompatBackend:
             body["stream"] = True
             if self.stream_options:
                 body["stream_options"] = {"include_usage": True}
-        url = self.base_url + ENDPOINT_PATHS[request.endpoint]
+        url = self._urls[request.endpoint]
         return _Outgoing(url, orjson.dumps(body), request.endpoint, time.perf_counter(), watch)
 
     async def _post(
-        self, client: httpx.AsyncClient, out: _Outgoing, *, watch_reuse: bool
+        self, transport: httpx.AsyncBaseTransport, out: _Outgoing, *, watch_reuse: bool
     ) -> Completion:
         """Send once. With `watch_reuse`, a pooled connection found closed before a byte of
         answer came back raises _StaleConnection rather than ConnectionFailed."""
         trace = _ConnectionTrace() if watch_reuse else None
-        extensions = {"trace": trace} if trace is not None else None
-        url = out.url
+        url = str(out.url)
         answered = receiving = False
         try:
-            async with client.stream(
-                "POST", url, content=out.content, extensions=extensions
-            ) as resp:
-                answered = True
+            resp = await self._send(transport, "POST", out.url, out.content, trace)
+            answered = True
+            try:
                 if resp.status_code >= 400:
                     content = await resp.aread()
                     raise error_for_status(resp.status_code, resp.headers, content, url)
@@ -201,8 +218,10 @@ class OpenAICompatBackend:
                 if out.watch is not None:
                     out.watch.accepted()
                 completion = await self._read_answer(resp, out)
-                rate = rate_info(resp.headers)
-                return replace(completion, rate=rate) if rate else completion
+            finally:
+                await resp.aclose()
+            rate = rate_info(resp.headers)
+            return replace(completion, rate=rate) if rate else completion
         except httpx.TimeoutException:
             raise RequestTimeout(f"no complete answer within {self.timeout:g}s") from None
         except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
@@ -260,7 +279,7 @@ class OpenAICompatBackend:
 class _Outgoing:
     """One request as sent, and sent again unchanged if its connection was stale."""
 
-    url: str
+    url: httpx.URL
     content: bytes
     endpoint: str
     started: float  # a re-send's latency and TTFT count from the first send

@@ -1,4 +1,4 @@
-"""The import rules of SPEC §9, checked on the source so a shortcut cannot creep in."""
+"""The import rules, checked on the source so a shortcut cannot creep in."""
 
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ def test_import_direction(path: Path) -> None:
         assert not uses(names, "httpx"), (
             f"{where}: only backends/ (and the sim transport) use httpx"
         )
+    if where != "backends/aiohttp_transport.py":
+        assert not uses(names, "aiohttp"), f"{where}: only the aiohttp transport uses aiohttp"
     if where.startswith("backends/"):
         assert not uses(names, "batchrun.ledger"), f"{where}: backends never import the ledger"
     if where.startswith("ledger/"):

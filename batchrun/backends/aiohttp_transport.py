@@ -1,0 +1,142 @@
+"""aiohttp's HTTP/1.1 engine under httpx's API: the default transport for real endpoints.
+
+httpx stays the interface (requests, responses, injected transports in tests and the
+simulator); only the wire work moves to aiohttp, whose parser and connection pool are in C
+and cost a fraction of httpcore's per request and per streamed chunk (benchmarks/
+client_cost.py measures both). One session, one connection pool of `max_connections`.
+
+Its contract with the backend, beyond httpx.AsyncBaseTransport's:
+
+- failures come back as the httpx exceptions httpcore would raise for the same event (a
+  refused connection: ConnectError; a connection closed before a response: RemoteProtocolError
+  "Server disconnected without sending a response."; a reset: ReadError; a body cut short:
+  RemoteProtocolError; timeouts: ConnectTimeout / ReadTimeout);
+- a request's `trace` extension hears httpcore's names for the two events the backend's
+  stale-connection rule needs: `connection.connect_tcp.complete` when a connection was opened
+  for the request, `http11.send_request_headers.started` when it was sent;
+- response bodies are handed over as they arrive, whole network reads at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import httpx
+
+Trace = Callable[[str, dict[str, Any]], Awaitable[None]]
+CONNECT_S = 10.0
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    def __init__(self, max_connections: int, *, keepalive: bool = True) -> None:
+        self._max_connections = max_connections
+        self._keepalive = keepalive
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        """Made on first use: a session belongs to the event loop it was made in."""
+        if self._session is None:
+            tracing = aiohttp.TraceConfig()
+            tracing.on_connection_create_end.append(_opened)
+            tracing.on_request_headers_sent.append(_sent)
+            connector = aiohttp.TCPConnector(
+                limit=self._max_connections, limit_per_host=0, force_close=not self._keepalive
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                trace_configs=[tracing],
+                auto_decompress=False,  # httpx decodes, as it would for httpcore
+                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
+            )
+        return self._session
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        session = self._open()
+        timeouts = request.extensions.get("timeout", {})
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=timeouts.get("connect", CONNECT_S),
+            sock_read=timeouts.get("read"),
+        )
+        trace = request.extensions.get("trace")
+        try:
+            response = await session.request(
+                request.method,
+                str(request.url),
+                headers=request.headers.multi_items(),
+                data=request.content or None,
+                allow_redirects=False,
+                timeout=timeout,
+                trace_request_ctx=trace,
+            )
+        except Exception as exc:
+            raise _mapped(exc, before_response=True) from exc
+        return httpx.Response(
+            status_code=response.status,
+            headers=response.raw_headers,
+            stream=_Body(response),
+            extensions={"http_version": b"HTTP/1.1"},
+        )
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class _Body(httpx.AsyncByteStream):
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        content = self._response.content
+        try:
+            while True:
+                data = await content.readany()
+                if not data:
+                    return
+                yield data
+        except Exception as exc:
+            raise _mapped(exc, before_response=False) from exc
+
+    async def aclose(self) -> None:
+        # Read to the end, the connection goes back to the pool; else it is closed.
+        self._response.release()
+
+
+async def _opened(_session: Any, context: SimpleNamespace, _params: Any) -> None:
+    if context.trace_request_ctx is not None:
+        await context.trace_request_ctx("connection.connect_tcp.complete", {})
+
+
+async def _sent(_session: Any, context: SimpleNamespace, _params: Any) -> None:
+    if context.trace_request_ctx is not None:
+        await context.trace_request_ctx("http11.send_request_headers.started", {})
+
+
+def _mapped(exc: Exception, *, before_response: bool) -> Exception:
+    """The httpx exception httpcore would have raised for the same event."""
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        if before_response:
+            return httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.RemoteProtocolError(f"peer closed connection mid-body ({text})")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return httpx.ConnectError(text)
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return httpx.RemoteProtocolError(text)
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return httpx.ConnectTimeout(text)
+    if isinstance(exc, (aiohttp.SocketTimeoutError, asyncio.TimeoutError)):
+        return httpx.ReadTimeout(text)
+    if isinstance(exc, (aiohttp.ClientOSError, ConnectionError)):
+        return httpx.ReadError(text)
+    if isinstance(exc, aiohttp.ClientResponseError):  # a malformed response head
+        return httpx.RemoteProtocolError(text)
+    if isinstance(exc, aiohttp.ClientError):
+        return httpx.TransportError(text)
+    return exc
