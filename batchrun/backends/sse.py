@@ -16,13 +16,9 @@ JSON event cut in half does not parse.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    data: bytes
-    kind: str = "message"  # the `event:` field
+# One event: its `event:` field ("message" when it has none) and its data. A plain tuple: the
+# parser makes one per streamed token.
+Event = tuple[str, bytes]
 
 
 class SSEDecoder:
@@ -59,7 +55,7 @@ class SSEDecoder:
 
 def _event(block: bytes) -> Event | None:
     if block.startswith(b"data: ") and b"\n" not in block:
-        return Event(block[6:])  # the common case: one data line
+        return ("message", block[6:])  # the common case: one data line
     data: list[bytes] = []
     kind = "message"
     for line in block.split(b"\n"):
@@ -74,4 +70,4 @@ def _event(block: bytes) -> Event | None:
             kind = value.decode("utf-8", "replace") or "message"
     if not data:
         return None  # comments, ids, an event with no data: nothing is dispatched
-    return Event(b"\n".join(data), kind)
+    return (kind, b"\n".join(data))

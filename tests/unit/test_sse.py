@@ -15,39 +15,42 @@ def decode(*chunks: bytes) -> list[Event]:
 
 
 def test_one_data_line_per_event() -> None:
-    assert decode(b'data: {"a":1}\n\ndata: [DONE]\n\n') == [Event(b'{"a":1}'), Event(b"[DONE]")]
+    assert decode(b'data: {"a":1}\n\ndata: [DONE]\n\n') == [
+        ("message", b'{"a":1}'),
+        ("message", b"[DONE]"),
+    ]
 
 
 def test_data_lines_of_one_event_are_joined_with_newlines() -> None:
     body = b'data: {"choices":\ndata: [1,\ndata:2]}\n\n'
-    assert decode(body) == [Event(b'{"choices":\n[1,\n2]}')]
+    assert decode(body) == [("message", b'{"choices":\n[1,\n2]}')]
 
 
 def test_crlf_and_cr_line_ends_even_split_between_reads() -> None:
     assert decode(b"data: a\r\n\r\ndata: b\r", b"\r", b"data: c\r", b"\n\r\n") == [
-        Event(b"a"),
-        Event(b"b"),
-        Event(b"c"),
+        ("message", b"a"),
+        ("message", b"b"),
+        ("message", b"c"),
     ]
 
 
 def test_comments_ids_and_retry_are_not_events() -> None:
     body = b": keep-alive\n\nid: 7\nretry: 1000\n\n: ping\ndata: x\nid: 8\n\n"
-    assert decode(body) == [Event(b"x")]
+    assert decode(body) == [("message", b"x")]
 
 
 def test_event_names_and_the_space_after_the_colon() -> None:
     body = b'event: error\ndata: {"message": "overloaded"}\n\ndata:no-space\n\n'
-    assert decode(body) == [Event(b'{"message": "overloaded"}', "error"), Event(b"no-space")]
+    assert decode(body) == [("error", b'{"message": "overloaded"}'), ("message", b"no-space")]
 
 
 def test_a_byte_order_mark_at_the_start_is_dropped() -> None:
-    assert decode(b"\xef\xbb\xbfdata: x\n\n") == [Event(b"x")]
+    assert decode(b"\xef\xbb\xbfdata: x\n\n") == [("message", b"x")]
 
 
 def test_the_last_event_without_its_blank_line_is_still_delivered_at_the_end() -> None:
-    assert decode(b"data: a\n\ndata: [DONE]\n") == [Event(b"a"), Event(b"[DONE]")]
-    assert decode(b"data: a\n\n") == [Event(b"a")]
+    assert decode(b"data: a\n\ndata: [DONE]\n") == [("message", b"a"), ("message", b"[DONE]")]
+    assert decode(b"data: a\n\n") == [("message", b"a")]
 
 
 lines = st.text(st.characters(blacklist_characters="\r\n", codec="utf-8"), max_size=20)
@@ -68,5 +71,5 @@ def test_any_events_any_line_ends_any_split(
         body += b"".join(b"data: " + p.encode() + end for p in parts) + end
     cuts = sorted(data.draw(st.lists(st.integers(0, len(body)), max_size=5)))
     chunks = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True)]
-    wanted = [Event("\n".join(parts).encode(), kind) for kind, parts in sent]
+    wanted = [(kind, "\n".join(parts).encode()) for kind, parts in sent]
     assert decode(*chunks) == wanted
