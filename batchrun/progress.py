@@ -20,8 +20,18 @@ from batchrun.errors import OutputError
 SUMMARY_CHARS = 80
 
 
+_stamp: tuple[int, str] = (-1, "")  # the last millisecond formatted, and how
+
+
 def _now_iso() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds")
+    """The time, to the millisecond; formatted once per millisecond (a log line per request
+    would otherwise format the same instant again and again)."""
+    global _stamp
+    ms = time.time_ns() // 1_000_000
+    if ms != _stamp[0]:
+        moment = datetime.fromtimestamp(ms / 1000, UTC)
+        _stamp = (ms, moment.isoformat(timespec="milliseconds"))
+    return _stamp[1]
 
 
 def input_summary(body: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import anyio
 import orjson
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
-from anyio.streams.memory import MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from batchrun.backends import Backend
 from batchrun.config import RunSpec
@@ -278,7 +278,7 @@ class Runner:
             "concurrency", limit=change.limit, reason=change.reason, signal=change.signal
         )
 
-    async def _writer(self, results: ObjectReceiveStream[ItemResult]) -> None:
+    async def _writer(self, results: MemoryObjectReceiveStream[ItemResult]) -> None:
         clock = time.monotonic
         group: list[ItemResult] = []
         oldest = 0.0
@@ -289,6 +289,17 @@ class Runner:
                 ):
                     await self._commit(group)
                     group = []
+                    continue
+                try:  # what is there already, without a timer per result
+                    result = results.receive_nowait()
+                except anyio.WouldBlock:
+                    pass
+                except anyio.EndOfStream:
+                    break
+                else:
+                    if not group:
+                        oldest = clock()
+                    group.append(result)
                     continue
                 wait = self.settings.commit_interval - (clock() - oldest) if group else None
                 with anyio.move_on_after(wait):

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -44,9 +44,15 @@ MODEL = "fast-1"
 
 
 @dataclass(frozen=True)
-class Figures:
-    wall_s: float
+class Measured:
+    wall_s: float  # the whole command (a batchrun or cookbook process: start to exit)
     client_cpu_s: float
+    run_s: float  # the sending alone (batchrun's own run_stopped elapsed; else the wall)
+
+
+@dataclass(frozen=True)
+class Figures:
+    measured: Measured
     server_cpu_s: float
 
 
@@ -152,22 +158,23 @@ def in_process(
     items: list[bytes],
     concurrency: int,
     stream: bool,
-) -> tuple[float, float]:
+) -> Measured:
     cpu, started = time.process_time(), time.perf_counter()
     anyio.run(loop, f"{url}/chat/completions", items, concurrency, stream)
-    return time.perf_counter() - started, time.process_time() - cpu
+    wall = time.perf_counter() - started
+    return Measured(wall, time.process_time() - cpu, wall)
 
 
-def child(command: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+def child(command: list[str], env: dict[str, str] | None = None) -> Measured:
     cpu, started = children_cpu(), time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"{command[:4]} failed ({done.returncode}): {done.stderr[-2000:]}")
-    return wall, children_cpu() - cpu
+    return Measured(wall, children_cpu() - cpu, wall)
 
 
-def batchrun(url: str, work: Path, args: argparse.Namespace, stream: bool) -> tuple[float, float]:
+def batchrun(url: str, work: Path, args: argparse.Namespace, stream: bool) -> Measured:
     job = f"cost{time.monotonic_ns()}"
     command = [
         sys.executable,
@@ -188,10 +195,13 @@ def batchrun(url: str, work: Path, args: argparse.Namespace, stream: bool) -> tu
         "--quiet",
         *([] if stream else ["--no-stream"]),
     ]
-    return child(command)
+    measured = child(command)
+    log = (work / "home" / "logs" / f"{job}.log").read_text().splitlines()
+    stopped = next(e for e in map(json.loads, log) if e["event"] == "run_stopped")
+    return replace(measured, run_s=stopped["elapsed_s"])
 
 
-def cookbook(url: str, work: Path, args: argparse.Namespace) -> tuple[float, float]:
+def cookbook(url: str, work: Path, args: argparse.Namespace) -> Measured:
     out = work / f"cookbook-{time.monotonic_ns()}.jsonl"
     command = [
         sys.executable,
@@ -216,13 +226,11 @@ def cookbook(url: str, work: Path, args: argparse.Namespace) -> tuple[float, flo
     return child(command, env={**os.environ, "OPENAI_API_KEY": "sk-not-needed"})
 
 
-def contenders(
-    args: argparse.Namespace,
-) -> dict[str, tuple[bool, Callable[..., tuple[float, float]]]]:
-    """name -> (streamed, run(url, work) -> (wall s, client CPU s))."""
+def contenders(args: argparse.Namespace) -> dict[str, tuple[bool, Callable[..., Measured]]]:
+    """name -> (streamed, run(url, work) -> what it measured)."""
     n, c = args.requests, args.concurrency
     plain, streamed = bodies(n, False), bodies(n, True)
-    table: dict[str, tuple[bool, Callable[..., tuple[float, float]]]] = {
+    table: dict[str, tuple[bool, Callable[..., Measured]]] = {
         "bare-aiohttp": (False, lambda url, _w: in_process(bare_aiohttp, url, plain, c, False)),
         "bare-aiohttp-stream": (
             True,
@@ -269,8 +277,8 @@ def main() -> None:
             for _ in range(args.repeat):
                 for name, (_stream, run) in table.items():
                     server_cpu = process_cpu(server.pid)
-                    wall, cpu = run(url, work)
-                    runs[name].append(Figures(wall, cpu, process_cpu(server.pid) - server_cpu))
+                    measured = run(url, work)
+                    runs[name].append(Figures(measured, process_cpu(server.pid) - server_cpu))
     finally:
         server.terminate()
         server.wait()
@@ -281,24 +289,50 @@ def report(runs: dict[str, list[Figures]], table: dict, args: argparse.Namespace
     n, tokens = args.requests, args.tokens
     print(
         f"{n} chat requests of {tokens} tokens, {args.concurrency} in flight, zero-latency server "
-        f"in another process; median of {args.repeat}"
+        f"in another process; median of {args.repeat}. wall and CPU: the whole command; "
+        "run req/s: the sending alone"
     )
     print(
-        f"{'contender':22} {'wall':>7} {'req/s':>7} {'chunks/s':>9} {'CPU':>7} "
-        f"{'ms/req':>7} {'us/chunk':>8} {'server ms/req':>13} {'vs aiohttp':>10}"
+        f"{'contender':20} {'wall':>7} {'req/s':>6} {'run req/s':>9} {'chunks/s':>8} {'CPU':>6} "
+        f"{'ms/req':>6} {'us/chunk':>8} {'server ms/req':>13} {'vs aiohttp':>10}"
     )
-    base = statistics.median(f.wall_s for f in runs["bare-aiohttp"])
-    for name, figures in runs.items():
-        wall = statistics.median(f.wall_s for f in figures)
-        cpu = statistics.median(f.client_cpu_s for f in figures)
-        server = statistics.median(f.server_cpu_s for f in figures)
+    med = {name: _medians(figures) for name, figures in runs.items()}
+    base = med["bare-aiohttp"][0]
+    for name, (wall, cpu, run, server) in med.items():
         streamed = table[name][0]
-        chunks = f"{n * tokens / wall:9.0f}" if streamed else f"{'-':>9}"
+        chunks = f"{n * tokens / run:8.0f}" if streamed else f"{'-':>8}"
         per_chunk = f"{cpu / (n * tokens) * 1e6:8.1f}" if streamed else f"{'-':>8}"
         print(
-            f"{name:22} {wall:6.2f}s {n / wall:7.0f} {chunks} {cpu:6.2f}s "
-            f"{cpu / n * 1e3:7.2f} {per_chunk} {server / n * 1e3:13.2f} {base / wall:9.2f}x"
+            f"{name:20} {wall:6.2f}s {n / wall:6.0f} {n / run:9.0f} {chunks} {cpu:5.2f}s "
+            f"{cpu / n * 1e3:6.2f} {per_chunk} {server / n * 1e3:13.2f} {base / wall:9.2f}x"
         )
+    goals(med, n, tokens)
+
+
+def _medians(figures: list[Figures]) -> tuple[float, float, float, float]:
+    def median(get: Callable[[Figures], float]) -> float:
+        return statistics.median(get(f) for f in figures)
+
+    return (
+        median(lambda f: f.measured.wall_s),
+        median(lambda f: f.measured.client_cpu_s),
+        median(lambda f: f.measured.run_s),
+        median(lambda f: f.server_cpu_s),
+    )
+
+
+def goals(med: dict[str, tuple[float, float, float, float]], n: int, tokens: int) -> None:
+    """Issue 12's goals, where this run measured what they need."""
+    plain, streamed, book = med.get("batchrun"), med.get("batchrun-stream"), med.get("cookbook")
+    if plain and book:
+        print(f"batchrun / cookbook, whole command: {book[0] / plain[0]:.2f}x (goal >= 1)")
+    if plain and streamed:
+        ratio = plain[0] / streamed[0]
+        print(f"batchrun streamed / not streamed, whole command: {ratio:.2f} (goal >= 0.9)")
+    if streamed:
+        print(f"batchrun streamed chunks/s (run): {n * tokens / streamed[2]:.0f} (goal >= 20,000)")
+    if plain:
+        print(f"batchrun requests/s not streamed (run): {n / plain[2]:.0f} (goal >= 2,000)")
 
 
 if __name__ == "__main__":

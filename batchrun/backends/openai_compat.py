@@ -8,6 +8,7 @@ Every HTTP or transport failure leaves this module as a batchrun error type.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -236,14 +237,14 @@ class OpenAICompatBackend:
     async def _read_answer(self, resp: httpx.Response, out: _Outgoing) -> Completion:
         if "text/event-stream" in resp.headers.get("content-type", ""):
             return await self._read_stream(resp, out)
-        return read_json(await resp.aread(), out.endpoint, out.started)
+        return read_json(b"".join([part async for part in _body(resp)]), out.endpoint, out.started)
 
     async def _read_stream(self, resp: httpx.Response, out: _Outgoing) -> Completion:
         answer = StreamedAnswer(out.endpoint, out.started, out.watch)
         decoder = SSEDecoder()
         # Read to the end rather than stop at [DONE]: servers close the body right after it,
         # and a body left half-read costs the connection.
-        async for data in resp.aiter_bytes():
+        async for data in _body(resp):
             answer.add(decoder.feed(data))
         answer.add(decoder.close())
         if not answer.events:
@@ -312,6 +313,17 @@ class _ConnectionTrace:
     @property
     def reused(self) -> bool:
         return self.sent and not self.opened
+
+
+async def _body(resp: httpx.Response) -> AsyncIterator[bytes]:
+    """The body as it arrives. We ask for no compression, so it comes as sent: read it as the
+    transport hands it over, unless a server compressed it all the same."""
+    if resp.is_stream_consumed:  # a response made whole (an injected test transport)
+        yield resp.content
+        return
+    identity = resp.headers.get("content-encoding", "identity") == "identity"
+    async for part in resp.aiter_raw() if identity else resp.aiter_bytes():
+        yield part
 
 
 def _unanswered(exc: httpx.TransportError) -> bool:

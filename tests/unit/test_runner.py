@@ -260,3 +260,16 @@ async def test_one_poison_item_behind_a_504_fails_and_the_rest_complete(tmp_path
     assert statuses == ["done"] * 3 + ["failed"] + ["done"] * 4
     assert stats.aborted is None
     assert jobs.exit_code(ledger.counts("j"), stats) == jobs.EXIT_SOME_FAILED
+
+
+def test_log_times_are_utc_to_the_millisecond_and_follow_the_clock() -> None:
+    from datetime import UTC, datetime
+
+    from batchrun.progress import _now_iso
+
+    before = datetime.now(UTC)
+    stamp = _now_iso()
+    after = datetime.now(UTC)
+    parsed = datetime.fromisoformat(stamp)
+    assert stamp.endswith("+00:00") and len(stamp.split(".")[1]) == len("123+00:00")
+    assert before.replace(microsecond=before.microsecond // 1000 * 1000) <= parsed <= after
