@@ -43,7 +43,13 @@ class SSEDecoder:
             buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         blocks = buffer.split(b"\n\n")
         self._buffer = blocks.pop()
-        return [event for block in blocks if (event := _event(block)) is not None]
+        events: list[Event] = []
+        for block in blocks:
+            if block[:6] == b"data: " and b"\n" not in block:
+                events.append(("message", block[6:]))  # the common case: one data line
+            elif (event := _event(block)) is not None:
+                events.append(event)
+        return events
 
     def close(self) -> list[Event]:
         """The stream ended: the event it cut short of its blank line, if any."""
@@ -54,8 +60,6 @@ class SSEDecoder:
 
 
 def _event(block: bytes) -> Event | None:
-    if block.startswith(b"data: ") and b"\n" not in block:
-        return ("message", block[6:])  # the common case: one data line
     data: list[bytes] = []
     kind = "message"
     for line in block.split(b"\n"):
