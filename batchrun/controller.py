@@ -20,7 +20,8 @@ What a serving engineer concludes from a server, done continuously:
   more, the limit moves there; while requests queue and a lower level gives as much, it moves
   down to it.
 - **Frontier.** However the limit grows, only a few requests at a time go above the most the
-  server has yet accepted (a success status, long before any token): a server that refuses
+  server has yet accepted (a success status, long before any token; streamed answers only,
+  since a plain answer's status comes with the answer itself): a server that refuses
   past a line it draws (a gateway's concurrency cap, a 429 gate) refuses those few, not the
   whole burst that a doubling would have sent before the first refusal came back. Against a
   server that accepts at once, this costs the ramp a round trip of response heads per step.
@@ -107,11 +108,14 @@ class ConcurrencyController:
         self._roomy_reads = 0  # ... with no queue while our limit was binding
         self.metrics = False  # the server's own metrics are the queue signal
         self.accepted_most = 0  # the most requests in flight that the server has accepted
+        self.frontier = True  # pace growth by acceptances (streamed answers only)
 
     @property
     def admitted(self) -> int:
         """How many may be in flight now: the limit, but never more than a few above the most
         the server has accepted, so a line it draws refuses a few requests, not a burst."""
+        if not self.frontier:
+            return self.limit
         seen = self.accepted_most
         return min(self.limit, seen + max(FRONTIER, seen // FRONTIER_SHARE))
 
@@ -154,6 +158,10 @@ class ConcurrencyController:
             self._outcomes.append((seen.blamed, failed))
         if seen.failure is not None:
             return self._failed(now, seen)
+        if seen.ttft is None:
+            # Not streamed: the success status comes with the whole answer, far too late to
+            # pace growth by (answers clock the ramp instead); no frontier.
+            self.frontier = False
         self.accepted(seen.sent_in_flight)
         self.curve.add(seen.level, seen.tokens, seen.latency)
         if self.phase == "ramp":

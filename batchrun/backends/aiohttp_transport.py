@@ -44,7 +44,12 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             tracing.on_connection_create_end.append(_opened)
             tracing.on_request_headers_sent.append(_sent)
             connector = aiohttp.TCPConnector(
-                limit=self._max_connections, limit_per_host=0, force_close=not self._keepalive
+                limit=self._max_connections,
+                limit_per_host=0,
+                force_close=not self._keepalive,
+                # httpx's: certifi's roots, or SSL_CERT_FILE / SSL_CERT_DIR (aiohttp's own
+                # would trust only the system's, which some Pythons and containers lack)
+                ssl=httpx.create_ssl_context(),
             )
             self._session = aiohttp.ClientSession(
                 connector=connector,

@@ -28,7 +28,7 @@ class StreamedAnswer:
         self.events = 0
         self.done = False  # `data: [DONE]` came
         self.pieces: list[str] = []
-        self.times: list[float] = []  # seconds from sending to each read that brought content
+        self.times: list[float] = []  # seconds from sending to each content piece's read
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
         self.saw_choice = False
@@ -41,7 +41,7 @@ class StreamedAnswer:
         datas: list[bytes] = []
         for kind, data in events:
             self.events += 1
-            if data == b"[DONE]":
+            if data.strip() == b"[DONE]":
                 self.done = True
                 break
             if kind == "error":
@@ -50,7 +50,7 @@ class StreamedAnswer:
         for chunk in _parse_all(datas):
             self._chunk(chunk)
         if len(self.pieces) > pieces:
-            self._arrived(time.perf_counter() - self.started)
+            self._arrived(time.perf_counter() - self.started, len(self.pieces) - pieces)
 
     def _chunk(self, chunk: Any) -> None:
         if not isinstance(chunk, dict):
@@ -72,9 +72,11 @@ class StreamedAnswer:
             if choice.get("finish_reason"):
                 self.finish = choice["finish_reason"]
 
-    def _arrived(self, at: float) -> None:
-        self.times.append(at)
-        if len(self.times) == 1 and self.watch is not None:
+    def _arrived(self, at: float, pieces: int) -> None:
+        """`pieces` content pieces came at `at` (one network read: they share its time)."""
+        first = not self.times
+        self.times.extend([at] * pieces)
+        if first and self.watch is not None:
             self.watch.first_token(at)
 
     def completion(self) -> Completion:
@@ -96,10 +98,16 @@ def _parse_all(datas: list[bytes]) -> list[Any]:
         return []
     try:
         parsed = orjson.loads(b"[" + b",".join(datas) + b"]")
-        if isinstance(parsed, list) and len(parsed) == len(datas):
-            return parsed
     except orjson.JSONDecodeError:
-        pass
+        parsed = None
+    # Every event an object, one per event: else payloads that do not parse alone may have
+    # joined into ones that do (`"a` and `b"`), so parse them one by one.
+    if (
+        isinstance(parsed, list)
+        and len(parsed) == len(datas)
+        and all(isinstance(chunk, dict) for chunk in parsed)
+    ):
+        return parsed
     return [_parse_one(data) for data in datas]
 
 

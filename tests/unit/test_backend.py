@@ -476,6 +476,31 @@ async def test_an_sse_error_event_is_a_failed_attempt_with_the_servers_message()
 
 
 @pytest.mark.anyio
+async def test_done_with_spaces_ends_the_stream_and_each_piece_has_its_time() -> None:
+    body = (
+        b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'
+        b'data: {"choices": [{"index": 0, "delta": {"content": "b"}}]}\n\n'
+        b'data: {"choices": [{"index": 0, "delta": {"content": "c"}, "finish_reason": "stop"}]}'
+        b"\n\ndata:  [DONE] \n\n"
+    )
+    backend = mock_backend(raw_sse(body))
+    try:
+        result = await backend.complete(chat())
+    finally:
+        await backend.aclose()
+    assert (result.text, result.finish_reason) == ("abc", "stop")
+    # three pieces in one read: three times (bench counts tokens by them without usage)
+    assert len(result.chunk_times) == 3
+
+
+@pytest.mark.anyio
+async def test_payloads_that_parse_only_when_joined_are_unreadable() -> None:
+    body = b'data: "a\n\ndata: b"\n\ndata: {"choices": [{"index": 0, "finish_reason": "stop"}]}\n\n'
+    exc = await fails_with(mock_backend(raw_sse(body)), chat())
+    assert isinstance(exc, StreamCut) and "unreadable stream chunk" in str(exc)
+
+
+@pytest.mark.anyio
 async def test_mid_stream_error_chunk_is_overloaded() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         return sse(delta("Hel"), {"error": {"message": "engine died"}})

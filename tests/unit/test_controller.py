@@ -196,6 +196,17 @@ def test_the_frontier_follows_what_the_server_accepted() -> None:
     assert ctl.admitted == 100  # the limit binds
 
 
+def test_without_streaming_there_is_no_frontier() -> None:
+    # A plain answer's success status comes with the answer: pacing growth by it would make
+    # the ramp grow by a few per whole answer.
+    ctl = ConcurrencyController(initial=2)
+    ctl.limit = 64
+    assert ctl.admitted == 2
+    seen = Observation(sent_in_flight=2, ended_in_flight=2, sent_at_limit=2, tokens=10, latency=1.0)
+    ctl.finished(1.0, seen)
+    assert ctl.admitted == ctl.limit
+
+
 def test_scattered_faults_do_not_pin_the_limit() -> None:
     shape = Shape(slots=64, fault_rate=0.10)
     run = drive(ConcurrencyController(), shape, 5000, seed=3)
