@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 
 import anyio
 import orjson
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from batchrun.backends import Backend
@@ -231,7 +230,7 @@ class Runner:
                 self._abort(JobBusy(f"another process took over job {self.job!r}"))
                 return
 
-    async def _feeder(self, send: ObjectSendStream[ClaimedItem]) -> None:
+    async def _feeder(self, send: MemoryObjectSendStream[ClaimedItem]) -> None:
         batch_size = max(8, min(256, self.spec.most_in_flight * 2))
         last_line = 0  # within a run nothing behind this line becomes pending again
         async with send:
@@ -250,15 +249,27 @@ class Runner:
                 for item in batch:
                     if self._stopping.is_set():
                         return  # claimed but unsent items are released at the end
-                    await send.send(item)
+                    try:  # a worker is free: no trip through the event loop
+                        send.send_nowait(item)
+                    except anyio.WouldBlock:
+                        await send.send(item)
 
     async def _worker(
         self,
-        work: ObjectReceiveStream[ClaimedItem],
+        work: MemoryObjectReceiveStream[ClaimedItem],
         results: MemoryObjectSendStream[ItemResult],
     ) -> None:
         async with work, results:
-            async for item in work:
+            while True:
+                try:  # an item waiting: no trip through the event loop
+                    item = work.receive_nowait()
+                except anyio.WouldBlock:
+                    try:
+                        item = await work.receive()
+                    except anyio.EndOfStream:
+                        return
+                except anyio.EndOfStream:
+                    return
                 if self._stopping.is_set():
                     continue  # left running; released to pending when the run ends
                 result = await self.sender.process(item)

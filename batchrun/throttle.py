@@ -14,8 +14,7 @@ through `on_change` for every reported move of the limit.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 
 import anyio
 
@@ -63,19 +62,10 @@ class Throttle:
         """The concurrency limit (the slots open now may be fewer: controller.admitted)."""
         return self.controller.limit if self.controller else int(self._slots.total_tokens)
 
-    @asynccontextmanager
-    async def slot(self, estimated_tokens: int) -> AsyncIterator[Slot]:
-        """Wait for a free slot and the pacer's go, then hold the slot while the request runs."""
-        async with self._slots:
-            wait = self.pacer.wait(self.clock(), estimated_tokens)
-            if wait > 0:
-                await self._sleep(wait)
-            self.in_flight += 1
-            slot = Slot(self, estimated_tokens)
-            try:
-                yield slot
-            finally:
-                self.in_flight -= 1
+    def slot(self, estimated_tokens: int) -> Slot:
+        """`async with throttle.slot(n) as slot`: wait for a free slot and the pacer's go,
+        then hold the slot while the request runs."""
+        return Slot(self, estimated_tokens)
 
     async def watch_server(self, read: Callable[[], Awaitable[ServerLoad | None]]) -> bool:
         """Feed the server's own running/waiting counts to the controller until cancelled.
@@ -113,8 +103,31 @@ class Slot:
     def __init__(self, throttle: Throttle, estimated_tokens: int) -> None:
         self._throttle = throttle
         self._estimate = estimated_tokens
-        self.sent_in_flight = throttle.in_flight
-        self.sent_at_limit = throttle.limit
+        self.sent_in_flight = 0  # set when it takes its slot
+        self.sent_at_limit = 0
+
+    async def __aenter__(self) -> Slot:
+        t = self._throttle
+        try:  # a free slot is taken without a trip through the event loop
+            t._slots.acquire_nowait()
+        except anyio.WouldBlock:
+            await t._slots.acquire()
+        try:
+            wait = t.pacer.wait(t.clock(), self._estimate)
+            if wait > 0:
+                await t._sleep(wait)
+        except BaseException:
+            t._slots.release()
+            raise
+        t.in_flight += 1
+        self.sent_in_flight = t.in_flight
+        self.sent_at_limit = t.limit
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        t = self._throttle
+        t.in_flight -= 1
+        t._slots.release()
 
     def accepted(self) -> None:
         t = self._throttle
