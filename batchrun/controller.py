@@ -16,10 +16,9 @@ What a serving engineer concludes from a server, done continuously:
   never on how one burst of completions happened to be spread.
 - **Steady.** Now and then the limit probes higher (boldly right after a first-token knee); a
   probe is kept when it bought 5% more throughput and more than chance explains, and kept
-  probes grow bolder (a recovery ramp); a probe that clearly pays is kept on its first
-  answers, one that does not waits for a quarter of the limit's. When the curve says a level
-  elsewhere gives clearly more, the limit moves there; while requests queue and a lower level
-  gives as much, it moves down to it.
+  probes grow bolder (a recovery ramp). When the curve says a level elsewhere gives clearly
+  more, the limit moves there; while requests queue and a lower level gives as much, it moves
+  down to it.
 - **Frontier.** However the limit grows, only a few requests at a time go above the most the
   server has yet accepted (a success status, long before any token; streamed answers only,
   since a plain answer's status comes with the answer itself): a server that refuses
@@ -176,20 +175,10 @@ class ConcurrencyController:
         self._since_change += 1
         if self.metrics and self.phase == "steady":
             return None  # the server's own counts steer (server_load); no need to probe
-        if self._since_change >= max(MIN_SAMPLES, self.limit // 4) or self._clearly_kept():
+        if self._since_change >= max(MIN_SAMPLES, self.limit // 4):
             self._since_change = 0
             return self._evaluate(now)
         return None
-
-    def _clearly_kept(self) -> bool:
-        """A probe whose first answers already beat the level before it: keep it now rather
-        than wait for a quarter of the limit's answers (each doubling waits for answers, so
-        waiting less makes a server that keeps scaling reach its level sooner). Only a keep is
-        decided early; a probe that has not clearly paid waits for all its answers."""
-        if self.phase != "probe" or self._since_change < MIN_SAMPLES:
-            return False
-        rate, before = self._period.rate(), self._before.rate()
-        return rate is not None and before is not None and self._beats(rate, before)
 
     def server_load(self, now: float, load: ServerLoad, *, in_flight: int) -> Change | None:
         """The server's own running/waiting counts: keep its batch full, its queue near 0."""
