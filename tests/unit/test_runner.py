@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import anyio
 import httpx
 import pytest
 
-from batchrun import jobs
+from batchrun import jobs, progress
 from batchrun.backends import OpenAICompatBackend
 from batchrun.config import resolve
 from batchrun.jobs import Home
@@ -263,12 +264,8 @@ async def test_one_poison_item_behind_a_504_fails_and_the_rest_complete(tmp_path
 
 
 def test_log_times_are_utc_to_the_millisecond_and_follow_the_clock() -> None:
-    from datetime import UTC, datetime
-
-    from batchrun.progress import _now_iso
-
     before = datetime.now(UTC)
-    stamp = _now_iso()
+    stamp = progress._now_iso()
     after = datetime.now(UTC)
     parsed = datetime.fromisoformat(stamp)
     assert stamp.endswith("+00:00") and len(stamp.split(".")[1]) == len("123+00:00")
