@@ -13,15 +13,18 @@ Its contract with the backend, beyond httpx.AsyncBaseTransport's:
   RemoteProtocolError; timeouts: ConnectTimeout / ReadTimeout);
 - a request's `trace` extension hears httpcore's names for the two events the backend's
   stale-connection rule needs: `connection.connect_tcp.complete` when a connection was opened
-  for the request, `http11.send_request_headers.started` when it was sent;
+  for the request, `http11.send_request_headers.started` when it goes out on one (told by the
+  connector as it hands the connection over: aiohttp's own tracing costs a signal per event
+  and per body read, a fifth of its cost per request);
 - response bodies are handed over as they arrive, whole network reads at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
-from types import SimpleNamespace
+from contextvars import ContextVar
 from typing import Any
 
 import aiohttp
@@ -29,6 +32,31 @@ import httpx
 
 Trace = Callable[[str, dict[str, Any]], Awaitable[None]]
 CONNECT_S = 10.0
+
+# The trace of the request the current task is sending (a task sends one request at a time).
+_trace: ContextVar[Trace | None] = ContextVar("batchrun_trace", default=None)
+
+
+class _Connector(aiohttp.TCPConnector):
+    """aiohttp's pool, telling the sending request's trace whether its connection is new."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._used: weakref.WeakSet[Any] = weakref.WeakSet()  # connections already sent on
+
+    async def connect(
+        self, req: Any, traces: Any, timeout: aiohttp.ClientTimeout
+    ) -> aiohttp.connector.Connection:
+        connection = await super().connect(req, traces, timeout)
+        trace = _trace.get()
+        protocol = connection.protocol
+        if trace is not None and protocol is not None:
+            if protocol not in self._used:
+                await trace("connection.connect_tcp.complete", {})
+            await trace("http11.send_request_headers.started", {})
+        if protocol is not None:
+            self._used.add(protocol)
+        return connection
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):
@@ -40,10 +68,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     def _open(self) -> aiohttp.ClientSession:
         """Made on first use: a session belongs to the event loop it was made in."""
         if self._session is None:
-            tracing = aiohttp.TraceConfig()
-            tracing.on_connection_create_end.append(_opened)
-            tracing.on_request_headers_sent.append(_sent)
-            connector = aiohttp.TCPConnector(
+            connector = _Connector(
                 limit=self._max_connections,
                 limit_per_host=0,
                 force_close=not self._keepalive,
@@ -53,7 +78,6 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             )
             self._session = aiohttp.ClientSession(
                 connector=connector,
-                trace_configs=[tracing],
                 auto_decompress=False,  # httpx decodes, as it would for httpcore
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
             )
@@ -67,7 +91,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             sock_connect=timeouts.get("connect", CONNECT_S),
             sock_read=timeouts.get("read"),
         )
-        trace = request.extensions.get("trace")
+        token = _trace.set(request.extensions.get("trace"))
         try:
             response = await session.request(
                 request.method,
@@ -76,10 +100,11 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 data=request.content or None,
                 allow_redirects=False,
                 timeout=timeout,
-                trace_request_ctx=trace,
             )
         except Exception as exc:
             raise _mapped(exc, before_response=True) from exc
+        finally:
+            _trace.reset(token)
         return httpx.Response(
             status_code=response.status,
             headers=response.raw_headers,
@@ -111,16 +136,6 @@ class _Body(httpx.AsyncByteStream):
     async def aclose(self) -> None:
         # Read to the end, the connection goes back to the pool; else it is closed.
         self._response.release()
-
-
-async def _opened(_session: Any, context: SimpleNamespace, _params: Any) -> None:
-    if context.trace_request_ctx is not None:
-        await context.trace_request_ctx("connection.connect_tcp.complete", {})
-
-
-async def _sent(_session: Any, context: SimpleNamespace, _params: Any) -> None:
-    if context.trace_request_ctx is not None:
-        await context.trace_request_ctx("http11.send_request_headers.started", {})
 
 
 def _mapped(exc: Exception, *, before_response: bool) -> Exception:
