@@ -105,6 +105,13 @@ def sim_handler(model: SimModel, seen: list[dict[str, Any]]) -> Handler:
     return handler
 
 
+async def answers(backend: OpenAICompatBackend, request: CompletionRequest) -> Completion:
+    try:
+        return await backend.complete(request)
+    finally:
+        await backend.aclose()
+
+
 async def fails_with(backend: OpenAICompatBackend, request: CompletionRequest) -> Exception:
     try:
         result = await backend.complete(request)
@@ -257,11 +264,7 @@ async def test_server_ignoring_stream_flag_still_works() -> None:
             },
         )
 
-    backend = mock_backend(handler)
-    try:
-        result = await backend.complete(chat())
-    finally:
-        await backend.aclose()
+    result = await answers(mock_backend(handler), chat())
     assert result.text == "plain"
     assert result.ttft_s is None
     assert (result.prompt_tokens, result.completion_tokens) == (4, 1)
@@ -414,11 +417,7 @@ async def test_stream_with_finish_but_no_done_is_accepted() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         return sse(delta("Hello"), delta(" world"), delta(None, "stop"), done=False)
 
-    backend = mock_backend(handler)
-    try:
-        result = await backend.complete(chat())
-    finally:
-        await backend.aclose()
+    result = await answers(mock_backend(handler), chat())
     assert result.text == "Hello world"
     assert result.finish_reason == "stop"
 
@@ -456,11 +455,7 @@ async def test_an_event_split_over_data_lines_with_crlf_is_read_whole() -> None:
         b'data: "delta": {"content": "Hi"}, "finish_reason": "stop"}]}\r\n\r\n'
         b"data: [DONE]\r\n\r\n"
     )
-    backend = mock_backend(raw_sse(body))
-    try:
-        result = await backend.complete(chat())
-    finally:
-        await backend.aclose()
+    result = await answers(mock_backend(raw_sse(body)), chat())
     assert (result.text, result.finish_reason) == ("Hi", "stop")
 
 
@@ -483,11 +478,7 @@ async def test_done_with_spaces_ends_the_stream_and_each_piece_has_its_time() ->
         b'data: {"choices": [{"index": 0, "delta": {"content": "c"}, "finish_reason": "stop"}]}'
         b"\n\ndata:  [DONE] \n\n"
     )
-    backend = mock_backend(raw_sse(body))
-    try:
-        result = await backend.complete(chat())
-    finally:
-        await backend.aclose()
+    result = await answers(mock_backend(raw_sse(body)), chat())
     assert (result.text, result.finish_reason) == ("abc", "stop")
     # three pieces in one read: three times (bench counts tokens by them without usage)
     assert len(result.chunk_times) == 3
