@@ -61,6 +61,7 @@ GAIN = 1.10  # twice the concurrency must buy 10% more throughput to be worth it
 PROBE_GAIN = 1.05  # a probe is kept when it buys 5% more
 NOISE_MARGIN = 1.5  # ... and the gain is over 1.5 standard errors of the difference
 PROBE_EVERY = 4  # steady evaluations between probes
+MAX_PROBE_STEP = 4.0  # kept probes double the next one's step, up to this factor
 LOAD_FAILURES = ("refused", "cut", "timeout")  # kinds that more load brings on
 WAVE_S = 1.0  # refusals of most requests within a second, at any load: a spent budget
 WAVE_SHARE = 0.5
@@ -302,7 +303,7 @@ class ConcurrencyController:
         before = self._before.rate()
         if rate is not None and (before is None or self._beats(rate, before)):
             self._evaluations = PROBE_EVERY - 1  # kept: look higher soon, and bolder
-            self._probe_step = min(2.0, self._probe_step * 1.25)
+            self._probe_step = min(MAX_PROBE_STEP, self._probe_step * 2)
             return self._record(now, Change(self.limit, "probe kept", "throughput"))
         self._probe_step = 1.25
         return self._set(now, self._probe_from, "probe reverted", "throughput")
