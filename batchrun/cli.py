@@ -17,7 +17,7 @@ import orjson
 
 from batchrun import __version__, jobs
 from batchrun.cli_bench import bench
-from batchrun.cli_errors import errors_to_exit_codes, say
+from batchrun.cli_errors import errors_to_exit_codes, say, show
 from batchrun.cli_sim import sim
 from batchrun.config import PRESETS, RunSpec, load_spec_file, resolve
 from batchrun.doctor import diagnose, ready, render
@@ -288,10 +288,10 @@ def status(ctx: Context, job_name: str | None, as_json: bool) -> None:
     """All jobs, or one job in detail."""
     if job_name is None:
         rows = jobs_table(ctx.ledger)
-        click.echo(_dump(rows) if as_json else render_table(rows))
+        show(_dump(rows) if as_json else render_table(rows))
         return
     detail = job_detail(ctx.ledger, _job(ctx, job_name))
-    click.echo(_dump(detail) if as_json else render_detail(detail))
+    show(_dump(detail) if as_json else render_detail(detail))
 
 
 def _dump(data: Any) -> str:
@@ -341,7 +341,7 @@ def doctor(**options: Any) -> None:
     spec = resolve({k: v for k, v in options.items() if v is not None})
     say(f"checking {spec.backend} at {spec.base_url} ...")
     checks = anyio.run(diagnose, spec)
-    click.echo(render(checks))
+    show(render(checks))
     if not ready(checks):
         say("not ready: fix the FAIL lines marked above before running a job")
         sys.exit(jobs.EXIT_ABORTED)

@@ -14,7 +14,7 @@ from batchrun.bench import plots
 from batchrun.bench.load import LoadPlan
 from batchrun.bench.run import Endpoint, output_folder, parse_endpoint, run_bench
 from batchrun.bench.suite import builtin_suite, load_suite, select
-from batchrun.cli_errors import errors_to_exit_codes, say
+from batchrun.cli_errors import errors_to_exit_codes, say, show
 from batchrun.config import PRESETS, resolve
 from batchrun.errors import UsageError
 
@@ -104,9 +104,8 @@ def bench(ctx: click.Context, /, **o: Any) -> None:  # fmt: skip
     plan = LoadPlan(_levels(o["concurrency"]), o["repeat"], o["warmup"], o["rate"], o["seed"])
     label = o["label"] or "+".join(e.name for e in endpoints)
     folder = o["output"] or output_folder(ctx.obj.home.root / "outputs", label)
-    anyio.run(functools.partial(run_bench, endpoints, suite, plan, folder, label=label,
-                                guided=o["guided"], selftest=o["self_test"], say=say,
-                                show=click.echo))  # fmt: skip
+    run = functools.partial(run_bench, label=label, guided=o["guided"], say=say, show=show)
+    anyio.run(functools.partial(run, endpoints, suite, plan, folder, selftest=o["self_test"]))
 
 
 def _endpoints(o: dict[str, Any]) -> list[Endpoint]:
@@ -139,7 +138,7 @@ def _endpoints(o: dict[str, Any]) -> list[Endpoint]:
 def compare(run_a: Path, run_b: Path, output: Path | None) -> None:  # fmt: skip
     """Two bench runs side by side: B / A for each class and level both have."""
     a, b = comparing.load(run_a), comparing.load(run_b)
-    click.echo(comparing.render(a["label"], b["label"], comparing.ratios(a, b)))
+    show(comparing.render(a["label"], b["label"], comparing.ratios(a, b)))
     if not plots.available():
         say(plots.MISSING)
         return

@@ -1,8 +1,14 @@
-"""How the CLI reports: one line on stderr, and the exit code the README gives each error."""
+"""How the CLI reports: one line on stderr, and the exit code the README gives each error.
+
+Whatever it prints may hold text from outside (a server's error message, a line of input), so
+control characters are shown escaped, never sent raw: a server must not be able to retitle the
+user's terminal, colour it, or hide a FAIL line behind a carriage return.
+"""
 
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -15,8 +21,23 @@ from batchrun.jobs import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_USAGE
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# C0 controls but newline and tab, DEL, and C1 controls (U+009B alone starts an escape sequence).
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` with control characters written as JSON-style escapes (`\\u001b`), so the
+    JSON that `--json` prints stays valid JSON with the same values."""
+    return _CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
 def say(message: str) -> None:
-    click.echo(f"batchrun: {message}", err=True)
+    click.echo(f"batchrun: {printable(message)}", err=True)
+
+
+def show(text: str) -> None:
+    """What a command prints on stdout (tables, reports)."""
+    click.echo(printable(text))
 
 
 def errors_to_exit_codes(fn: F) -> F:

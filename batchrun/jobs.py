@@ -34,7 +34,7 @@ from batchrun.sim.json_answers import JSON_STYLES
 from batchrun.structured import OutputRules
 from batchrun.validate import load_schema
 
-JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")  # in full: `$` allows a final \n
 SIM_DEFAULTS: dict[str, Any] = {"ttft_ms": 20.0, "tpot_ms": 1.0}
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_ABORTED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -60,7 +60,7 @@ class Home:
 
 
 def check_job_name(name: str) -> str:
-    if not JOB_NAME.match(name):
+    if not JOB_NAME.fullmatch(name):
         raise UsageError(
             f"job name {name!r} must start with a letter or digit and use only letters, digits, "
             "'.', '_' and '-' (at most 100 characters)"

@@ -31,7 +31,7 @@ def native_record(row: dict[str, Any]) -> dict[str, Any]:
             "completion_tokens": row["completion_tokens"],
         }
     return {
-        "id": row["item_id"],
+        "id": _item_id(row),
         "line": row["line"],
         "status": row["status"],
         "output": row["output"],
@@ -45,6 +45,12 @@ def native_record(row: dict[str, Any]) -> dict[str, Any]:
         "error": row["error"],
         "meta": _loads(row["meta"]),
     }
+
+
+def _item_id(row: dict[str, Any]) -> str | None:
+    """A rejected line has no id: its own was unusable or taken by an earlier line, and any id
+    made up for it (its line number, say) could be a real item's. Its `line` names it."""
+    return None if row["status"] == "rejected" else str(row["item_id"])
 
 
 def _repairs(row: dict[str, Any]) -> dict[str, int] | None:
@@ -64,7 +70,7 @@ def openai_record(row: dict[str, Any], model: str | None) -> dict[str, Any]:
     request_id = f"req_{row['line']}_{(row['digest'] or '')[:16] or 'rejected'}"
     record: dict[str, Any] = {
         "id": f"batch_{request_id}",
-        "custom_id": row["item_id"],
+        "custom_id": _item_id(row),
         "response": None,
         "error": None,
     }

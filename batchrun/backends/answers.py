@@ -83,8 +83,12 @@ class StreamedAnswer:
         """The answer once its stream has ended (raises if it is not whole)."""
         if not self.saw_choice:
             raise StreamCut("stream carried no choices")
-        if not self.done and self.finish is None:
-            raise StreamCut("stream ended before its final chunk")
+        if self.finish is None:
+            # Only a finish reason says the server meant to stop here ([DONE] alone closes
+            # the stream, whole or not): retried, and said if attempts run out.
+            if self.done:
+                raise StreamCut("stream ended ([DONE]) without a finish_reason: answer incomplete")
+            raise StreamCut("stream ended before its final chunk (no finish_reason)")
         ttft = self.times[0] if self.times else None
         text = "".join(self.pieces)
         made = completion(text, self.finish, self.usage, self.started, ttft)
@@ -115,14 +119,29 @@ def _parse_one(data: bytes) -> Any:
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
-        raise StreamCut(f"unreadable stream chunk: {data[:100]!r}") from None
+        raise StreamCut(
+            _not_text(data, "of a stream event") or f"unreadable stream chunk: {data[:100]!r}"
+        ) from None
+
+
+def _not_text(data: bytes, where: str) -> str | None:
+    """Where bytes that should be JSON text are not UTF-8: the same failed attempt, streamed or
+    not (never U+FFFD in an answer: a replaced character is a changed answer)."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"invalid UTF-8 at byte {exc.start} {where}"
+    return None
 
 
 def read_json(content: bytes, endpoint: str, started: float) -> Completion:
     try:
         data = orjson.loads(content)
     except orjson.JSONDecodeError:
-        raise StreamCut(f"response is not JSON: {content[:100]!r}") from None
+        problem = (
+            _not_text(content, "of the response") or f"response is not JSON: {content[:100]!r}"
+        )
+        raise StreamCut(problem) from None
     choices = data.get("choices") if isinstance(data, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise StreamCut("response has no usable choices")

@@ -32,6 +32,8 @@ from batchrun.errors import (
 )
 
 ENDPOINT_PATHS = {"chat": "/chat/completions", "completions": "/completions"}
+SECRET_RUN = 8  # this many characters of the key in a row are a leak (see hide_secret)
+DONE_GRACE_S = 1.0  # how long the body may take to end after `[DONE]` (see _body_end)
 
 
 class OpenAICompatBackend:
@@ -242,11 +244,14 @@ class OpenAICompatBackend:
     async def _read_stream(self, resp: httpx.Response, out: _Outgoing) -> Completion:
         answer = StreamedAnswer(out.endpoint, out.started, out.watch)
         decoder = SSEDecoder()
-        # Read to the end rather than stop at [DONE]: servers close the body right after it,
-        # and a body left half-read costs the connection.
-        async for data in _body(resp):
+        body = _body(resp)
+        async for data in body:
             answer.add(decoder.feed(data))
-        answer.add(decoder.close())
+            if answer.done:
+                await _body_end(body)
+                break
+        else:
+            answer.add(decoder.close())
         if not answer.events:
             raise EmptyStream("the event stream closed without a single event")
         return answer.completion()
@@ -261,19 +266,31 @@ class OpenAICompatBackend:
 
         Applied once, where errors leave this class, so no message built inside can escape it.
         """
-        key = self._api_key
-        if not key:
-            return error
-        text = str(error)
-        for form in (key, repr(key)[1:-1]):
-            text = text.replace(form, "***")
-        # A server message cut at its length limit may end in the first part of the key.
-        for n in range(len(key) - 1, 7, -1):
-            if text.endswith(key[:n]):
-                text = text[:-n] + "***"
-                break
-        error.args = (text,)
+        if self._api_key:
+            error.args = (hide_secret(str(error), self._api_key),)
         return error
+
+
+def hide_secret(text: str, secret: str) -> str:
+    """`text` with every run of SECRET_RUN or more characters of `secret` in it replaced by
+    `***`: the whole key, and any part a server echoed (its first 20 characters, a message cut
+    at its length limit in the middle of it)."""
+    if len(secret) < SECRET_RUN:
+        return text.replace(secret, "***") if secret else text
+    parts = {secret[i : i + SECRET_RUN] for i in range(len(secret) - SECRET_RUN + 1)}
+    hidden = bytearray(len(text))  # 1 where a character is part of the secret
+    for i in range(len(text) - SECRET_RUN + 1):
+        if text[i : i + SECRET_RUN] in parts:
+            hidden[i : i + SECRET_RUN] = b"\x01" * SECRET_RUN
+    if not any(hidden):
+        return text
+    out: list[str] = []
+    for i, char in enumerate(text):
+        if not hidden[i]:
+            out.append(char)
+        elif i == 0 or not hidden[i - 1]:
+            out.append("***")
+    return "".join(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +341,15 @@ async def _body(resp: httpx.Response) -> AsyncIterator[bytes]:
     identity = resp.headers.get("content-encoding", "identity") == "identity"
     async for part in resp.aiter_raw() if identity else resp.aiter_bytes():
         yield part
+
+
+async def _body_end(body: AsyncIterator[bytes]) -> None:
+    """After `[DONE]` the answer is whole. Servers end the body right after it, and a body read
+    to its end leaves the connection for the next request, so read on, but only briefly: a
+    server that holds the connection open past `[DONE]` loses that connection, not the answer."""
+    with anyio.move_on_after(DONE_GRACE_S):
+        async for _ in body:
+            pass
 
 
 def _unanswered(exc: httpx.TransportError) -> bool:

@@ -52,7 +52,7 @@ class Loader:
         if isinstance(entry, BadLine):
             self.problems.append((entry.line, entry.reason))
             if self.skip_invalid:
-                self._batch.append(self._rejected(entry.line, str(entry.line), entry.reason))
+                self._batch.append(self._rejected(entry.line, entry.reason))
         else:
             self._batch.append((
                 self.job, entry.line, entry.item_id, entry.endpoint, entry.body.decode(),
@@ -101,7 +101,7 @@ class Loader:
                 self.problems.append((row[_LINE], reason))
                 if self.skip_invalid:
                     with self.conn.begin_nested():
-                        self._insert([self._rejected(row[_LINE], row[_ITEM_ID], reason)])
+                        self._insert([self._rejected(row[_LINE], reason)])
                     self.rejected += 1
                 continue
             if row[_STATUS] == "rejected":
@@ -109,6 +109,7 @@ class Loader:
             else:
                 self.accepted += 1
 
-    def _rejected(self, line: int, item_id: str, reason: str) -> Row:
-        return (self.job, line, item_id, "", "null", "", None, "rejected", 0, reason, self.now,
-                self.now)  # fmt: skip
+    def _rejected(self, line: int, reason: str) -> Row:
+        """A rejected line's row: no id (see outputs), no request; its reason as its error."""
+        now = self.now
+        return (self.job, line, "", "", "null", "", None, "rejected", 0, reason, now, now)

@@ -9,8 +9,9 @@ is lost on purpose, every time: after `keep` answers on a connection the server 
 next request and drops it unanswered, so a test needs no luck with timing to see it.
 
 Other switches make it drop every request on every connection unanswered (a server that is
-broken, not racing), cut each answer after its head and first chunk, or answer with bytes that
-are not HTTP at all.
+broken, not racing), cut each answer after its head and first chunk, answer with bytes that
+are not HTTP at all, or send a body the test wrote (a stream that is not whole, bytes that are
+not UTF-8), optionally holding the connection open after it without ending the body.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -36,6 +41,9 @@ class Behaviour:
     drop_all: bool = False  # drop every request, on new connections too, unanswered
     cut: bool = False  # send the head and the first piece of each answer, then close
     garbage: bool = False  # answer with bytes that are not HTTP, then close
+    body: bytes | None = None  # this body (SSE when streamed, else JSON) instead of an answer
+    status: int = 200  # ... with this status (to every request, GET /models included)
+    hold: bool = False  # after the body: neither its end nor a close, until the client goes
 
 
 @dataclass
@@ -82,7 +90,7 @@ class HostileServer:
         try:
             while (request := await _read_request(reader)) is not None:
                 self.counts.prompts.append(_prompt(request))
-                if not await self._reply(writer, request, served):
+                if not await self._reply(reader, writer, request, served):
                     return
                 served += 1
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -92,7 +100,11 @@ class HostileServer:
             writer.close()
 
     async def _reply(
-        self, writer: asyncio.StreamWriter, request: dict[str, Any], served: int
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        request: dict[str, Any],
+        served: int,
     ) -> bool:
         """Answer one request, or misbehave; whether the connection stays open."""
         how = self.behaviour
@@ -105,10 +117,33 @@ class HostileServer:
             writer.write(NOT_HTTP if how.garbage else _cut_answer(request))
             await writer.drain()
             return False
+        if how.body is not None:
+            await self._scripted(writer, request, how.body, hold=how.hold, status=how.status)
+            if how.hold and request.get("stream"):
+                await reader.read()  # until the client closes its end
+                return False
+            return True
         writer.write(_answer(request))
         await writer.drain()
         self.counts.answered += 1
         return True
+
+    async def _scripted(
+        self,
+        writer: asyncio.StreamWriter,
+        request: dict[str, Any],
+        body: bytes,
+        *,
+        hold: bool,
+        status: int,
+    ) -> None:
+        """The test's body, as one chunk of a chunked stream (not ended with `hold`) or as a
+        sized JSON body."""
+        if request.get("stream") and status == 200:
+            writer.write(_stream_head() + _chunk(body) + (b"" if hold else b"0\r\n\r\n"))
+        else:
+            writer.write(_json_head(len(body), status) + body)
+        await writer.drain()
 
 
 async def _read_request(reader: asyncio.StreamReader) -> dict[str, Any] | None:
@@ -122,8 +157,8 @@ async def _read_request(reader: asyncio.StreamReader) -> dict[str, Any] | None:
         name, _, value = line.partition(":")
         if name.strip().lower() == "content-length":
             length = int(value)
-    body: dict[str, Any] = orjson.loads(await reader.readexactly(length))
-    return body
+    body: dict[str, Any] = orjson.loads(await reader.readexactly(length)) if length else {}
+    return body  # a GET's: {}
 
 
 def _close(writer: asyncio.StreamWriter, *, reset: bool) -> None:
@@ -176,7 +211,7 @@ def _cut_answer(request: dict[str, Any]) -> bytes:
 
 
 def _prompt(request: dict[str, Any]) -> str:
-    content: str = request["messages"][-1]["content"]
+    content: str = request["messages"][-1]["content"] if request else ""
     return content
 
 
@@ -186,10 +221,33 @@ def _stream_head() -> bytes:
     )
 
 
-def _json_head(length: int) -> bytes:
-    return (
-        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % length
+def _json_head(length: int, status: int = 200) -> bytes:
+    return b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % (
+        status,
+        length,
     )
+
+
+@contextmanager
+def serving(behaviour: Behaviour) -> Iterator[str]:
+    """The server on a thread of its own, for tests that run the CLI in another process:
+    `with serving(Behaviour(...)) as url:`."""
+    loop = asyncio.new_event_loop()
+    started: Future[str] = Future()
+    stop = asyncio.Event()
+
+    async def serve() -> None:
+        async with HostileServer(behaviour) as server:
+            started.set_result(server.url)
+            await stop.wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    try:
+        yield started.result(timeout=10)
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout=10)
 
 
 def _chunk(data: bytes) -> bytes:

@@ -13,6 +13,7 @@ import pytest
 
 from batchrun.backends import Completion, CompletionRequest, OpenAICompatBackend
 from batchrun.backends.errors_http import error_for_status, retry_after, server_message
+from batchrun.backends.openai_compat import hide_secret
 from batchrun.errors import (
     AuthFailed,
     BadRequest,
@@ -735,6 +736,40 @@ async def test_a_key_cut_off_by_the_message_limit_is_still_scrubbed() -> None:
         await backend.complete(CompletionRequest("chat", {"messages": []}))
     await backend.aclose()
     assert key[:8] not in str(caught.value)
+
+
+@pytest.mark.anyio
+async def test_the_first_characters_of_the_key_echoed_mid_message_are_scrubbed() -> None:
+    key = "sk-proj-Abc123Def456Ghi789Jkl012"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        echoed = request.headers["authorization"].removeprefix("Bearer ")[:20]
+        return httpx.Response(401, json={"error": {"message": f"bad key {echoed}... (revoked)"}})
+
+    backend = OpenAICompatBackend(
+        "http://x/v1", api_key=key, stream=False, transport=httpx.MockTransport(handler)
+    )
+    with pytest.raises(AuthFailed) as caught:
+        await backend.complete(CompletionRequest("chat", {"messages": []}))
+    await backend.aclose()
+    assert "bad key ***... (revoked)" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "hidden"),
+    [
+        ("key sk-ABCDEFGHIJKL!", "key ***!"),  # whole
+        ("starts ABCDEFGH, ends", "starts ***, ends"),  # 8 characters from the middle
+        ("short ABCDEFG stays", "short ABCDEFG stays"),  # 7: too short to say anything
+        ("two sk-ABCDEFGH and GHIJKL", "two *** and GHIJKL"),
+        ("sk-ABCDEFGHIJKLsk-ABCDEFGHIJKL", "***"),  # runs that touch are one
+        ("nothing here", "nothing here"),
+    ],
+)
+def test_hide_secret_hides_every_run_of_eight_or_more_of_its_characters(
+    text: str, hidden: str
+) -> None:
+    assert hide_secret(text, "sk-ABCDEFGHIJKL") == hidden
 
 
 @pytest.mark.anyio

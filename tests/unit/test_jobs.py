@@ -81,3 +81,13 @@ def test_ids_that_collide_after_string_conversion_are_duplicates(tmp_path: Path)
         (2, "duplicate id '5' (first on line 1)"),
         (4, "duplicate id '3' (first on line 3)"),
     ]
+
+
+@pytest.mark.parametrize("name", ["nl\n", "a/b", "../x", ".hidden", "", "x" * 101, "tab\t"])
+def test_a_job_name_must_match_the_pattern_in_full(name: str) -> None:
+    with pytest.raises(UsageError, match="must start with a letter or digit"):
+        jobs.check_job_name(name)
+
+
+def test_a_good_job_name_is_kept() -> None:
+    assert jobs.check_job_name("nightly-2026.12.01_a") == "nightly-2026.12.01_a"

@@ -17,6 +17,7 @@ from batchrun.inputs import BadLine, InputItem
 from batchrun.ledger import ItemResult, Ledger
 from batchrun.ledger.engine import make_engine
 from batchrun.ledger.migrations import MIGRATIONS, current_version, migrate
+from batchrun.outputs import native_record, openai_record
 
 
 def item(line: int, item_id: str | None = None) -> InputItem:
@@ -105,6 +106,18 @@ def test_skip_invalid_records_rejected_lines(ledger: Ledger) -> None:
     assert rows[2]["status"] == "rejected" and rows[2]["error"] == "invalid JSON"
     assert rows[3]["status"] == "rejected" and "duplicate id 'a'" in rows[3]["error"]
     assert [rows[n]["status"] for n in (1, 4)] == ["pending", "pending"]
+
+
+def test_a_rejected_line_takes_no_id_that_a_real_item_could_have(ledger: Ledger) -> None:
+    # Before: line 2's unusable id became "2", line 1's real id, twice in an export.
+    lines = [item(1, "2"), BadLine(2, "'id' must be a string or an integer"), item(3, "b")]
+    ledger.create_job(
+        "j", input_path="x", input_digest="d", spec="{}", lines=lines, skip_invalid=True
+    )
+    rows = list(ledger.iter_results("j"))
+    custom_ids = [openai_record(row, None)["custom_id"] for row in rows]
+    assert custom_ids == ["2", None, "b"]
+    assert [native_record(row)["id"] for row in rows] == ["2", None, "b"]
 
 
 def test_empty_input_is_an_error_and_stores_nothing(ledger: Ledger) -> None:
