@@ -21,9 +21,9 @@ from batchrun.cli_errors import errors_to_exit_codes, say, show
 from batchrun.cli_sim import sim
 from batchrun.config import PRESETS, RunSpec, load_spec_file, resolve
 from batchrun.doctor import diagnose, ready, render
-from batchrun.errors import UsageError
+from batchrun.errors import JobExists, UsageError
 from batchrun.jobs import Home
-from batchrun.ledger import Ledger
+from batchrun.ledger import IngestReport, Ledger
 from batchrun.outputs import FORMATS
 from batchrun.status import job_detail, jobs_table, render_detail, render_table
 
@@ -218,8 +218,19 @@ def submit(
     """
     name = jobs.check_job_name(job_name or jobs.default_job_name(input_path))
     ledger = ctx.ledger
+    layers = _layers(spec_file, options)
     existing = ledger.get_job(name)
-    spec = jobs.resolve_for_job(existing, *_layers(spec_file, options))
+    spec = jobs.resolve_for_job(existing, *layers)
+    if existing is None:
+        try:
+            report = jobs.create_job(ledger, name, input_path, spec)
+        except JobExists:  # another submit made it since we looked: as if it had been there
+            existing = ledger.get_job(name)
+            assert existing is not None
+            spec = jobs.resolve_for_job(existing, *layers)
+        else:
+            if not quiet:
+                say(_loaded(name, report))
     if existing is not None:
         if not jobs.same_input(existing, input_path):
             raise UsageError(
@@ -228,19 +239,15 @@ def submit(
             )
         if not quiet:
             say(f"job {name} exists for this file; resuming it")
-    else:
-        report = jobs.create_job(ledger, name, input_path, spec)
-        if not quiet:
-            blank = (
-                f", {len(report.blank_lines)} blank line(s) skipped" if report.blank_lines else ""
-            )
-            say(
-                f"job {name}: loaded {report.accepted} items"
-                f"{f', {report.rejected} rejected' if report.rejected else ''}{blank}"
-            )
     if no_run:
         return
     _run(ctx, name, spec, quiet)
+
+
+def _loaded(name: str, report: IngestReport) -> str:
+    rejected = f", {report.rejected} rejected" if report.rejected else ""
+    blank = f", {len(report.blank_lines)} blank line(s) skipped" if report.blank_lines else ""
+    return f"job {name}: loaded {report.accepted} items{rejected}{blank}"
 
 
 @main.command()

@@ -118,6 +118,10 @@ class InputError(UsageError):
         super().__init__(f"{where}{len(problems)} bad line(s), nothing was sent:\n{shown}{more}")
 
 
+class JobExists(UsageError):
+    """A job of that name is already in the ledger (another submit may have just made it)."""
+
+
 class JobBusy(UsageError):
     """Another live process is running this job."""
 

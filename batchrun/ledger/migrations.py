@@ -3,15 +3,22 @@
 Each migration has a version number and runs once, in its own transaction, recorded in
 `schema_migrations`; running `migrate` again on an up-to-date ledger changes nothing. A new
 column or index is a new entry at the end of MIGRATIONS, never an edit of an old one.
+
+Each transaction takes the write lock when it begins (BEGIN IMMEDIATE on SQLite): two processes
+opening a brand-new ledger at once would otherwise both read that a migration is due, and the
+second to write would get "database is locked" at once, the busy timeout never consulted (SQLite
+refuses to wait for a lock that a reader holding its own could deadlock on).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from sqlalchemy import Connection, Engine, inspect, select, text
 
+from batchrun.ledger.engine import WRITE_OPTION
 from batchrun.ledger.schema import items, items_id_unique, jobs, schema_migrations
 
 REPAIR_COLUMNS = ("repairs", "repair_prompt_tokens", "repair_completion_tokens")
@@ -45,11 +52,11 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
 
 def migrate(engine: Engine) -> int:
     """Bring the ledger to the newest schema; returns how many migrations ran."""
-    with engine.begin() as conn:
+    with _writing(engine) as conn:
         schema_migrations.create(conn, checkfirst=True)
     ran = 0
     for version, name, apply in MIGRATIONS:
-        with engine.begin() as conn:
+        with _writing(engine) as conn:
             done = conn.execute(
                 select(schema_migrations.c.version).where(schema_migrations.c.version == version)
             ).first()
@@ -63,6 +70,14 @@ def migrate(engine: Engine) -> int:
             )
             ran += 1
     return ran
+
+
+@contextmanager
+def _writing(engine: Engine) -> Iterator[Connection]:
+    with engine.connect() as conn:
+        conn.execution_options(**{WRITE_OPTION: True})
+        with conn.begin():
+            yield conn
 
 
 def current_version(engine: Engine) -> int:

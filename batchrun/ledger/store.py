@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, and_, bindparam, func, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from batchrun.errors import InputError, JobBusy, LedgerError, UsageError
+from batchrun.errors import InputError, JobBusy, JobExists, LedgerError, UsageError
 from batchrun.inputs import BadLine, InputItem
 from batchrun.ledger.engine import WRITE_OPTION, make_engine
 from batchrun.ledger.ingest import Loader
@@ -109,7 +109,7 @@ class Ledger:
         now = time.time()
         with self._write("loading the input") as conn:
             if conn.execute(select(jobs.c.name).where(jobs.c.name == name)).first():
-                raise UsageError(f"job {name!r} already exists")
+                raise JobExists(f"job {name!r} already exists")
             conn.execute(
                 jobs.insert().values(
                     name=name,
