@@ -158,14 +158,8 @@ class Run:
 
 
 def find_model() -> Path | None:
-    """The tiny test model where the integration tests find it (or $BATCHRUN_TEST_MODEL)."""
-    if os.environ.get("BATCHRUN_TEST_MODEL"):
-        path = Path(os.environ["BATCHRUN_TEST_MODEL"])
-    else:
-        try:
-            from tests.integration.llamacpp import MODEL as path  # needs pytest installed
-        except ImportError:
-            path = REPO.parent / "shared" / "models" / "stories260K.gguf"
+    """The tiny test model shipped in tests/models (or $BATCHRUN_TEST_MODEL)."""
+    path = Path(os.environ.get("BATCHRUN_TEST_MODEL") or REPO / "tests/models/stories260K.gguf")
     return path if path.exists() else None
 
 

@@ -1,4 +1,4 @@
-"""llama.cpp's C++ `llama-server` with the tiny real model in ../shared/models, started on a free
+"""llama.cpp's C++ `llama-server` with the tiny model from tests/models, started on a free
 127.0.0.1 port: the continuous-batching engine llama.cpp users actually run (`--parallel` slots
 decoded together, `usage` in streams, Prometheus `/metrics`), unlike llama-cpp-python's server,
 which answers one request at a time.

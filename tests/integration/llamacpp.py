@@ -1,5 +1,5 @@
 """llama.cpp's OpenAI-compatible server (`python -m llama_cpp.server`) with the tiny real model
-in ../shared/models, started on a free 127.0.0.1 port for the tests that need a real engine.
+shipped in tests/models, started on a free 127.0.0.1 port for the tests that need a real engine.
 
 Installed by the `llamacpp` extra (`pip install -e '.[dev,llamacpp]'`, as .ci/run does). When
 it is missing the tests say so and skip, except where BATCHRUN_REQUIRE_LLAMACPP=1 (CI), where
@@ -22,15 +22,10 @@ from tests.integration.helpers import free_port
 
 
 def _find_model() -> Path:
-    """BATCHRUN_TEST_MODEL, else shared/models/ beside the checkout or any folder above it."""
+    """BATCHRUN_TEST_MODEL, else the copy shipped in tests/models/."""
     if os.environ.get("BATCHRUN_TEST_MODEL"):
         return Path(os.environ["BATCHRUN_TEST_MODEL"])
-    repo = Path(__file__).resolve().parents[2]
-    for folder in repo.parents:
-        candidate = folder / "shared" / "models" / "stories260K.gguf"
-        if candidate.exists():
-            return candidate
-    return repo.parent / "shared" / "models" / "stories260K.gguf"
+    return Path(__file__).resolve().parents[1] / "models" / "stories260K.gguf"
 
 
 MODEL = _find_model()
