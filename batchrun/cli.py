@@ -220,14 +220,14 @@ def submit(
     ledger = ctx.ledger
     layers = _layers(spec_file, options)
     existing = ledger.get_job(name)
-    spec = jobs.resolve_for_job(existing, *layers)
+    spec = jobs.resolve_for_job(existing, *layers, endpoint_required=not no_run)
     if existing is None:
         try:
             report = jobs.create_job(ledger, name, input_path, spec)
         except JobExists:  # another submit made it since we looked: as if it had been there
             existing = ledger.get_job(name)
             assert existing is not None
-            spec = jobs.resolve_for_job(existing, *layers)
+            spec = jobs.resolve_for_job(existing, *layers, endpoint_required=not no_run)
         else:
             if not quiet:
                 say(_loaded(name, report))
@@ -238,10 +238,19 @@ def submit(
                 f"({existing.input_path}); use another --job name"
             )
         if not quiet:
-            say(f"job {name} exists for this file; resuming it")
+            say(f"job {name} exists for this file; {_left(ledger, name, no_run)}")
     if no_run:
         return
     _run(ctx, name, spec, quiet)
+
+
+def _left(ledger: Ledger, name: str, no_run: bool) -> str:
+    """What a second submit of the same file does: resume, or (--no-run) nothing."""
+    if not no_run:
+        return "resuming it"
+    counts = ledger.counts(name)
+    waiting = counts["pending"] + counts["running"]
+    return f"nothing loaded (--no-run); {waiting} item(s) still to send: `batchrun resume {name}`"
 
 
 def _loaded(name: str, report: IngestReport) -> str:

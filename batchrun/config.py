@@ -182,8 +182,11 @@ def load_spec_file(path: Path) -> dict[str, Any]:
     return {k.replace("-", "_"): v for k, v in data.items()}
 
 
-def resolve(*layers: dict[str, Any]) -> RunSpec:
-    """Merge option layers (lowest precedence first; None means 'not given') into a RunSpec."""
+def resolve(*layers: dict[str, Any], endpoint_required: bool = True) -> RunSpec:
+    """Merge option layers (lowest precedence first; None means 'not given') into a RunSpec.
+
+    Without `endpoint_required`, a spec may name no endpoint yet (backend ""): a job loaded
+    with `submit --no-run`, whose endpoint is given when it runs."""
     merged: dict[str, Any] = {}
     for layer in layers:
         switched = layer.get("backend") not in (None, merged.get("backend"))
@@ -198,6 +201,10 @@ def resolve(*layers: dict[str, Any]) -> RunSpec:
             merged[key] = _coerce(key, value)
 
     backend = merged.get("backend") or ("custom" if merged.get("base_url") else None)
+    if backend is None and not endpoint_required:
+        spec = RunSpec(**{**merged, "backend": "", "base_url": ""})
+        _validate(spec, None)
+        return spec
     if backend is None:
         raise UsageError(
             "no endpoint chosen: give --backend NAME (one of "
@@ -218,7 +225,7 @@ def resolve(*layers: dict[str, Any]) -> RunSpec:
     return spec
 
 
-def _validate(spec: RunSpec, preset: Preset) -> None:
+def _validate(spec: RunSpec, preset: Preset | None) -> None:
     if spec.endpoint not in ENDPOINTS:
         raise UsageError(f"--endpoint must be chat or completions, got {spec.endpoint!r}")
     if isinstance(spec.concurrency, int) and spec.concurrency < 1:
@@ -242,7 +249,7 @@ def _validate(spec: RunSpec, preset: Preset) -> None:
         raise UsageError("--max-tokens-cap must be at least 1")
     if spec.timeout <= 0:
         raise UsageError("--timeout must be positive")
-    if preset.key_required and spec.api_key() is None:
+    if preset is not None and preset.key_required and spec.api_key() is None:
         raise UsageError(
             f"backend {preset.name} needs an API key: set the environment variable "
             f"{spec.api_key_env} (or name another with --api-key-env)"

@@ -81,7 +81,7 @@ def stored_spec(job: Job) -> dict[str, Any]:
 def job_spec(job: Job) -> RunSpec:
     """The spec a job last ran with, checked like any other (a clear error, not a TypeError,
     if it was stored by a version with other option names)."""
-    return resolve(stored_spec(job))
+    return resolve(stored_spec(job), endpoint_required=False)
 
 
 def spec_json(spec: RunSpec) -> str:
@@ -133,11 +133,14 @@ def check_input_unchanged(job: Job, *, allow: bool) -> str | None:
     )
 
 
-def resolve_for_job(job: Job | None, *layers: dict[str, Any]) -> RunSpec:
+def resolve_for_job(
+    job: Job | None, *layers: dict[str, Any], endpoint_required: bool = True
+) -> RunSpec:
     """The job's spec for this run, checked before anything is loaded or sent: the schema file
-    is read and stored by absolute path, the simulator options are type-checked."""
+    is read and stored by absolute path, the simulator options are type-checked. Only a job
+    loaded and not run may go without an endpoint (`submit --no-run`)."""
     base = stored_spec(job) if job else {}
-    spec = resolve(base, *layers)
+    spec = resolve(base, *layers, endpoint_required=endpoint_required)
     if spec.schema:
         load_schema(spec.schema)
         spec = replace(spec, schema=str(Path(spec.schema).resolve()))

@@ -14,6 +14,8 @@ from batchrun.run_state import LEASE_TTL
 def _state(job: Job, counts: dict[str, int]) -> str:
     if job.runner_owner and runner_alive(job.__dict__, time.time(), LEASE_TTL):
         return f"running (pid {job.runner_pid} on {job.runner_host})"
+    if counts["pending"] and counts["pending"] + counts["rejected"] == job.total:
+        return "not started"  # (or stopped before a single answer: nothing to show either way)
     if counts["pending"] or counts["running"]:
         return "stopped"
     bad = counts["failed"] + counts["invalid"] + counts["rejected"]

@@ -297,3 +297,25 @@ def test_a_key_with_a_trailing_newline_is_refused_without_showing_it(
     assert cli.counts("k") == {"pending": 3}
     for path in (cli.home / "logs").glob("*"):  # refused before the log is even opened
         assert secret not in path.read_text()
+
+
+def test_no_run_needs_no_endpoint_and_says_what_a_second_one_does(
+    cli: CLI, tmp_path: Path
+) -> None:
+    inp = tmp_path / "later.jsonl"
+    write_prompts(inp, 3)
+    loaded = cli.run("submit", str(inp), "--no-run")
+    assert loaded.returncode == 0, loaded.stderr
+    assert "loaded 3 items" in loaded.stderr
+    again = cli.run("submit", str(inp), "--no-run")
+    assert again.returncode == 0 and "resuming" not in again.stderr
+    assert "nothing loaded (--no-run); 3 item(s) still to send" in again.stderr
+    assert json.loads(cli.run("status", "later", "--json").stdout)["state"] == "not started"
+    assert "not started" in cli.run("status").stdout
+
+    nowhere = cli.run("resume", "later")
+    assert nowhere.returncode == 2 and "no endpoint chosen" in nowhere.stderr
+    ran = cli.run("resume", "later", "--backend", "sim")
+    assert ran.returncode == 0, ran.stderr
+    assert cli.counts("later") == {"done": 3}
+    assert json.loads(cli.run("status", "later", "--json").stdout)["state"] == "complete"
