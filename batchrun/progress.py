@@ -125,6 +125,12 @@ class Progress:
         )
         self._started = time.monotonic()
         self.concurrency = concurrency
+        self._quiet = quiet
+
+    def say(self, message: str) -> None:
+        """A line for the user on stderr (above the bar, if one is drawn); none when quiet."""
+        if not self._quiet:
+            tqdm.write(f"batchrun: {message}", file=sys.stderr)
 
     def update(self, *, newly_done: int, tokens: int, retries: int, failed: int) -> None:
         elapsed = max(1e-9, time.monotonic() - self._started)

@@ -105,6 +105,11 @@ class Runner:
         A second call stops in-flight requests at once (what finished is still committed)."""
         if self._stopping.is_set() and self._workers_scope is not None:
             self._workers_scope.cancel()
+        elif self.progress is not None:
+            self.progress.say(
+                f"stopping: waiting up to {self.settings.drain_timeout:g} s for "
+                f"{self.throttle.in_flight} request(s) in flight (Ctrl-C again to stop now)"
+            )
         self.stats.interrupted = True
         self._stopping.set()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 import orjson
 
 from batchrun.backends import Backend, Completion, CompletionRequest
@@ -60,26 +61,29 @@ class Sender:
         guided = False  # whether the latest request carried response_format
 
         def log_attempt(status: str, **fields: Any) -> None:
-            self.log.attempt(item_id=item.item_id, line=item.line, digest=item.digest,
-                             summary=summary, attempt=item.attempts + attempts, status=status,
-                             **fields)  # fmt: skip
+            where = {"item_id": item.item_id, "line": item.line, "digest": item.digest}
+            attempt = item.attempts + attempts
+            self.log.attempt(**where, summary=summary, attempt=attempt, status=status, **fields)
 
         async def attempt() -> Completion:
             nonlocal attempts, tries, guided
             attempts += 1
             tries += 1
-            self.stats.requests += 1
             if tries > 1:  # a retry of the same request (repairs are new requests, not retries)
                 self.stats.retries += 1
             guided = plan.guided
             request = CompletionRequest(item.endpoint, plan.request())
             async with self.throttle.slot(estimate_request_tokens(request.body)) as slot:
+                self.stats.requests += 1  # sent now: every request sent gets its attempt line
                 try:
                     completion = await self.backend.complete(request, watch=slot)
                 except RequestError as exc:
                     slot.failed(exc)
-                    log_attempt("error", http_status=exc.status, error_kind=type(exc).__name__,
-                                error=str(exc))  # fmt: skip
+                    kind = type(exc).__name__
+                    log_attempt("error", http_status=exc.status, error_kind=kind, error=str(exc))
+                    raise
+                except anyio.get_cancelled_exc_class():  # a second Ctrl-C: stopped unanswered
+                    log_attempt("cancelled", error="the run was stopped before the answer came")
                     raise
                 # a server without usage still shows its throughput through the text length
                 tokens = completion.completion_tokens or estimate_tokens(len(completion.text))

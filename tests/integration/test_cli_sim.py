@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -139,6 +141,8 @@ def test_sigint_stops_with_130_and_resume_completes(
     _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
     assert "interrupted" in err
+    assert re.search(r"stopping: waiting up to 10 s for \d+ request\(s\) in flight", err), err
+    assert "Ctrl-C again to stop now" in err
     counts = cli.counts("big")
     assert counts.get("running", 0) == 0 and counts.get("pending", 0) > 0, counts
     assert not (cli.home / "outputs" / "big.jsonl").exists()  # written when the job finishes
@@ -146,6 +150,35 @@ def test_sigint_stops_with_130_and_resume_completes(
     resumed = cli.run("resume", "big")
     assert resumed.returncode == 0, resumed.stderr
     assert_exactly_once(cli, "big", prompts)
+
+
+def test_a_second_ctrl_c_stops_at_once_and_every_request_sent_has_its_log_line(
+    cli: CLI, sim_server: Callable[..., str], tmp_path: Path
+) -> None:
+    url = sim_server("--ttft-ms", "3000")  # every request is still in flight when it stops
+    inp = tmp_path / "cut.jsonl"
+    write_prompts(inp, 40)
+    proc = cli.start("submit", str(inp), "--base-url", url, "--concurrency", "8")
+    log = cli.home / "logs" / "cut.log"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and "run_started" not in _text(log):
+        time.sleep(0.05)
+    time.sleep(0.5)  # requests on the wire
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    (stopped,) = [e for e in events if e["event"] == "run_stopped"]
+    attempts = [e for e in events if e["event"] == "attempt"]
+    assert stopped["requests"] == len(attempts) > 0
+    assert {a["status"] for a in attempts} == {"cancelled"}
+    assert cli.counts("cut") == {"pending": 40}
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
 
 
 def test_sigterm_behaves_like_ctrl_c(
