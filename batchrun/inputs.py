@@ -290,6 +290,10 @@ def _item_id(obj: dict[str, Any], key: str) -> str | None:
         raise _LineProblem(
             f"{key!r} is an integer too large to keep exactly (over 64 bits); write it as a string"
         )
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise _LineProblem(f"{key!r} is a non-integer number ({value!r}); write it as a string")
+        raise _LineProblem(f"{key!r} is a decimal ({value!r}); write it as an integer or a string")
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise _LineProblem(f"{key!r} must be a string or an integer, got {_type_name(value)}")
     text = str(value)

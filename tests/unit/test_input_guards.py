@@ -369,8 +369,8 @@ def test_integer_ids_are_accepted_as_strings(tmp_path: Path, key: str, value: in
     ("value", "kind"),
     [
         (None, "null"),
-        (1.5, "a number"),
-        (1.0, "a number"),
+        (1.5, "a non-integer number (1.5); write it as a string"),
+        (1.0, "a decimal (1.0); write it as an integer or a string"),
         (True, "a boolean"),
         (False, "a boolean"),
         ({"a": 1}, "an object"),
@@ -402,3 +402,4 @@ def test_every_prompt_field_of_a_batch_body_is_measured(tmp_path: Path) -> None:
     line = json.dumps({"custom_id": "b", "url": "/v1/chat/completions", "body": body})
     entry = read_line(tmp_path, line, max_input_chars=100)
     assert isinstance(entry, BadLine) and "502 characters" in entry.reason
+
