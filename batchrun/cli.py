@@ -355,7 +355,8 @@ def retry(ctx: Context, job_name: str) -> None:
 def doctor(**options: Any) -> None:
     """Probe an endpoint: reachable, key, model, chat/completions, streaming, usage, JSON mode."""
     spec = resolve({k: v for k, v in options.items() if v is not None})
-    say(f"checking {spec.backend} at {spec.base_url} ...")
+    named = "" if spec.backend == "custom" else f"{spec.backend} "  # custom: the URL alone
+    say(f"checking {named}at {spec.base_url} ...")
     checks = anyio.run(diagnose, spec)
     show(render(checks))
     if not ready(checks):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 import click
@@ -34,7 +35,7 @@ def _levels(text: str) -> tuple[int, ...]:
     "--endpoint",
     "endpoints",
     multiple=True,
-    metavar="NAME=URL[,model=M][,key=VAR]",
+    metavar="NAME=URL[,model=M][,key=VAR][,backend=PRESET]",
     help="An endpoint to measure (repeat for several; run one after another).",
 )
 @click.option("--backend", type=click.Choice(sorted(PRESETS)), help="One endpoint by preset.")
@@ -92,7 +93,7 @@ def _levels(text: str) -> tuple[int, ...]:
 )
 @click.pass_context
 @errors_to_exit_codes
-def bench(ctx: click.Context, /, **o: Any) -> None:  # fmt: skip
+def bench(ctx: click.Context, /, **o: Any) -> None:
     """Measure endpoints like serving engineers do: TTFT, TPOT, ITL, E2E percentiles and
     throughput over a concurrency sweep, per prompt class, with the knee of each."""
     if ctx.invoked_subcommand is not None:
@@ -108,16 +109,20 @@ def bench(ctx: click.Context, /, **o: Any) -> None:  # fmt: skip
     anyio.run(functools.partial(run, endpoints, suite, plan, folder, selftest=o["self_test"]))
 
 
+def host_port(url: str) -> str:
+    """What names an endpoint given by URL alone: its host and port (never its credentials)."""
+    return urlsplit(url).netloc.rpartition("@")[2] or url
+
+
 def _endpoints(o: dict[str, Any]) -> list[Endpoint]:
     def spec_of(options: dict[str, Any]) -> Any:
         return resolve({"timeout": o["timeout"], "max_concurrency": 1024, **options})
 
     endpoints = [parse_endpoint(text, spec_of) for text in o["endpoints"]]
     if o["backend"] or o["base_url"]:
-        one = {"backend": o["backend"], "base_url": o["base_url"], "model": o["model"],
-               "api_key_env": o["api_key_env"]}  # fmt: skip
+        one = {k: o[k] for k in ("backend", "base_url", "model", "api_key_env")}
         spec = spec_of({k: v for k, v in one.items() if v is not None})
-        endpoints.append(Endpoint(spec.backend if o["backend"] else "endpoint", spec))
+        endpoints.append(Endpoint(spec.backend if o["backend"] else host_port(spec.base_url), spec))
     if not endpoints:
         raise UsageError("nothing to measure: give --endpoint NAME=URL, --backend or --base-url")
     if len({e.name for e in endpoints}) < len(endpoints):

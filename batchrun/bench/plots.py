@@ -7,6 +7,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+Runs = list[tuple[str, dict[str, Any]]]  # (label, results) per run; two when comparing
 MISSING = "charts skipped: matplotlib is not installed (pip install 'batchrun[plot]')"
 
 
@@ -36,8 +37,7 @@ def _series(results: dict[str, Any], metric: str) -> dict[str, tuple[list[int], 
     return lines
 
 
-def _line_chart(runs: list[tuple[str, dict[str, Any]]], metric: str, ylabel: str,
-                path: Path) -> Path:  # fmt: skip
+def _line_chart(runs: Runs, metric: str, ylabel: str, path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for style, (label, results) in zip(["-", "--"], runs, strict=False):
@@ -49,10 +49,11 @@ def _line_chart(runs: list[tuple[str, dict[str, Any]]], metric: str, ylabel: str
     ax.minorticks_off()
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel(ylabel)
+    ax.set_title(f"{ylabel} by concurrency, per endpoint and prompt class")
     return _save(plt, fig, ax, path)
 
 
-def _ttft_chart(runs: list[tuple[str, dict[str, Any]]], path: Path) -> Path:
+def _ttft_chart(runs: Runs, path: Path) -> Path:
     """TTFT distribution: an empirical CDF per endpoint and concurrency, all classes."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -67,19 +68,26 @@ def _ttft_chart(runs: list[tuple[str, dict[str, Any]]], path: Path) -> Path:
             ax.step(values, ys, style, where="post", label=f"{label}: {name}" if label else name)
     ax.set_xlabel("time to first token (ms)")
     ax.set_ylabel("share of requests")
+    ax.set_title("time to first token, CDF per endpoint and concurrency (all classes pooled)")
     return _save(plt, fig, ax, path)
 
 
 def _save(plt: Any, fig: Any, ax: Any, path: Path) -> Path:
+    """Axes from 0 (a chart that starts elsewhere exaggerates differences), a grid, a legend
+    when something was drawn (a level where every request failed draws nothing)."""
+    ax.set_ylim(bottom=0)
+    if ax.get_xscale() == "linear":
+        ax.set_xlim(left=0)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
-def write_charts(folder: Path, runs: list[tuple[str, dict[str, Any]]]) -> list[Path]:
+def write_charts(folder: Path, runs: Runs) -> list[Path]:
     """Throughput and P95 latency against concurrency, and the TTFT distribution."""
     return [
         _line_chart(runs, "throughput", "output tokens/s", folder / "throughput.png"),

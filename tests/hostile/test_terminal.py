@@ -53,6 +53,7 @@ def test_summary_status_and_doctor_print_a_servers_escapes_escaped(
         run = cli.run("submit", str(prompts), "--base-url", url, "--model", "m")
         doctor = cli.run("doctor", "--base-url", url, "--model", "m")
     assert run.returncode != 0 and "1 failed" in run.stderr
+    assert f"checking at {url} ..." in doctor.stderr  # not the internal preset name "custom"
     status = cli.run("status", "p")
     assert "FAIL hidden" in status.stdout
     assert_clean(run.stderr)

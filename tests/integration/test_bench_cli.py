@@ -46,6 +46,9 @@ def test_measured_ttft_and_tpot_match_the_latency_model(
         assert cell["itl_ms"]["n"] == 6 * 19
     requests = [r for r in data["requests"] if r["cls"] == "short"]
     assert len(requests) == 12 and all(r["output_tokens"] == 20 for r in requests)
+    host_port = url.removeprefix("http://").removesuffix("/v1")  # the name, not "endpoint"
+    assert data["endpoints"][0]["name"] == host_port
+    assert {c["endpoint"] for c in data["cells"]} == {host_port}
 
 
 def test_the_knee_is_found_where_the_server_runs_out_of_slots(

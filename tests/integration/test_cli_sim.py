@@ -332,9 +332,7 @@ def test_a_key_with_a_trailing_newline_is_refused_without_showing_it(
         assert secret not in path.read_text()
 
 
-def test_no_run_needs_no_endpoint_and_says_what_a_second_one_does(
-    cli: CLI, tmp_path: Path
-) -> None:
+def test_no_run_needs_no_endpoint_and_says_what_a_second_one_does(cli: CLI, tmp_path: Path) -> None:
     inp = tmp_path / "later.jsonl"
     write_prompts(inp, 3)
     loaded = cli.run("submit", str(inp), "--no-run")

@@ -4,6 +4,7 @@ and one sweep over the in-process simulator (records built from real streamed co
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -184,3 +185,31 @@ async def test_without_matplotlib_every_other_file_is_written_and_it_says_so(
                                                           "summary.csv"]  # fmt: skip
     assert plots.MISSING in said
     assert results["cells"][0]["succeeded"] == 2
+
+
+def test_charts_have_titles_axes_from_zero_and_no_warning_when_every_request_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchrun.bench import plots
+
+    if not plots.available():
+        pytest.fail("matplotlib is part of the dev extra")
+    drawn: list[Any] = []
+    save = plots._save
+
+    def keep(plt: Any, fig: Any, ax: Any, path: Path) -> Path:
+        drawn.append(ax)
+        return save(plt, fig, ax, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    failed = {"endpoint": "e", "class": "short", "concurrency": 4}
+    results = {
+        "cells": [{**failed, "output_throughput": None, "e2e_ms": {"p95": None}}],
+        "requests": [{"ok": False, "ttft_ms": None, "endpoint": "e", "concurrency": 4}],
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # before: "No artists with labels found to put in legend"
+        files = plots.write_charts(tmp_path, [("", results)])
+    assert [f.name for f in files] == ["throughput.png", "latency_p95.png", "ttft_cdf.png"]
+    assert all(ax.get_title() and ax.get_ylim()[0] == 0 for ax in drawn)
+    assert "all classes pooled" in drawn[2].get_title()

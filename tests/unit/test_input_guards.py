@@ -402,4 +402,3 @@ def test_every_prompt_field_of_a_batch_body_is_measured(tmp_path: Path) -> None:
     line = json.dumps({"custom_id": "b", "url": "/v1/chat/completions", "body": body})
     entry = read_line(tmp_path, line, max_input_chars=100)
     assert isinstance(entry, BadLine) and "502 characters" in entry.reason
-
