@@ -24,11 +24,15 @@ from batchrun.errors import (
 from batchrun.jobs import build_backend
 from batchrun.validate import SchemaCheck, response_format
 
+# Short by construction (a server that enforces it cannot run on past the probe's tokens, as a
+# free string could with a small model): one of two words, and nothing else in the object.
 PROBE_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "properties": {"answer": {"type": "string"}},
+    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
     "required": ["answer"],
+    "additionalProperties": False,
 }
+PROBE_TOKENS = 128  # the answer is ~8 tokens; room for a server's whitespace between them
 MESSAGES = [{"role": "user", "content": "Say hello in one short sentence."}]
 
 
@@ -144,8 +148,8 @@ async def _guided(
     backend: Backend, spec: RunSpec, defaults: dict[str, Any], checks: list[Check]
 ) -> None:
     style = preset_for(spec).guided_style
-    body = {**defaults, "max_tokens": 64, "messages": MESSAGES,
-            "response_format": response_format(style, PROBE_SCHEMA)}  # fmt: skip
+    guided = response_format(style, PROBE_SCHEMA)
+    body = {**defaults, "max_tokens": PROBE_TOKENS, "messages": MESSAGES, "response_format": guided}
     try:
         answer = await backend.complete(CompletionRequest("chat", body))
     except BadRequest as exc:
@@ -158,8 +162,8 @@ async def _guided(
     if verdict.ok:
         checks.append(Check("JSON schema", True, f"accepted and enforced ({style})"))
     else:
-        checks.append(Check("JSON schema", False, f"accepted ({style}) but the answer did not "
-                            f"validate: {verdict.error}"))  # fmt: skip
+        failed = f"accepted ({style}) but the answer did not validate: {verdict.error}"
+        checks.append(Check("JSON schema", False, failed))
 
 
 def render(checks: list[Check]) -> str:

@@ -12,8 +12,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tests.integration.helpers import CLI, write_prompts
 from tests.integration.llama_server import SLOTS, NativeLlamaServer
 
@@ -168,19 +166,9 @@ def test_doctor_finds_the_endpoint_ready_with_usage_streamed_and_not(
     assert probes["usage (streamed)"][1].endswith(" completion")  # "N prompt + M completion"
 
 
-# Not strict: the server samples, and about 1 probe in 8 happens to close its JSON within the
-# 64 tokens and passes (XPASS); a failure other than the known one fails the test (pytest.fail).
-@pytest.mark.xfail(
-    strict=False,
-    raises=AssertionError,
-    reason="known defect, issue 13 #15: doctor mostly reports `FAIL JSON schema: ... truncated` "
-    "here (the tiny model's grammar-constrained answer runs past the probe's 64 tokens)",
-)
 def test_doctor_finds_guided_json_enforced(
     cli: CLI, native_llama_server: NativeLlamaServer
 ) -> None:
+    # Before: mostly `FAIL JSON schema: ... truncated` (a free string ran past 64 tokens).
     _status, report, probes = _doctor(cli, native_llama_server)
-    mark, detail = probes["JSON schema"]
-    if mark != "ok" and "truncated" not in detail:  # a new failure, not the known one: report it
-        pytest.fail(f"JSON schema probe failed otherwise than issue 13 #15:\n{report}")
-    assert mark == "ok", report  # today: FAIL ... truncated (the expected failure)
+    assert probes["JSON schema"] == ("ok", "accepted and enforced (json_object)"), report
