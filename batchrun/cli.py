@@ -21,7 +21,7 @@ from batchrun.cli_errors import errors_to_exit_codes, say, show
 from batchrun.cli_sim import sim
 from batchrun.config import PRESETS, RunSpec, load_spec_file, resolve
 from batchrun.doctor import diagnose, ready, render
-from batchrun.errors import JobExists, UsageError
+from batchrun.errors import UsageError
 from batchrun.jobs import Home
 from batchrun.ledger import IngestReport, Ledger
 from batchrun.outputs import FORMATS
@@ -222,15 +222,13 @@ def submit(
     existing = ledger.get_job(name)
     spec = jobs.resolve_for_job(existing, *layers, endpoint_required=not no_run)
     if existing is None:
-        try:
-            report = jobs.create_job(ledger, name, input_path, spec)
-        except JobExists:  # another submit made it since we looked: as if it had been there
+        report = jobs.create_or_join(ledger, name, input_path, spec)
+        if report is None:  # another submit made it since we looked: as if it had been there
             existing = ledger.get_job(name)
             assert existing is not None
             spec = jobs.resolve_for_job(existing, *layers, endpoint_required=not no_run)
-        else:
-            if not quiet:
-                say(_loaded(name, report))
+        elif not quiet:
+            say(_loaded(name, report))
     if existing is not None:
         if not jobs.same_input(existing, input_path):
             raise UsageError(

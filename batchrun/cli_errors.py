@@ -21,8 +21,9 @@ from batchrun.jobs import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_USAGE
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-# C0 controls but newline and tab, DEL, and C1 controls (U+009B alone starts an escape sequence).
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# C0 controls but newline and tab, DEL, C1 controls (U+009B alone starts an escape sequence),
+# and the characters that reorder or break lines unseen (bidi controls, line/paragraph separators).
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
 
 
 def printable(text: str) -> str:

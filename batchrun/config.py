@@ -221,7 +221,7 @@ def resolve(*layers: dict[str, Any], endpoint_required: bool = True) -> RunSpec:
     merged["base_url"] = str(merged["base_url"]).rstrip("/")
     merged.setdefault("api_key_env", preset.api_key_env)
     spec = RunSpec(**merged)
-    _validate(spec, preset)
+    _validate(spec, preset if endpoint_required else None)  # the key is needed when it runs
     return spec
 
 

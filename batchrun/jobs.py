@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import signal
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,15 @@ import orjson
 
 from batchrun.backends import Backend, MetricsReader, OpenAICompatBackend, Transport
 from batchrun.config import RunSpec, preset_for, resolve
-from batchrun.errors import BatchrunError, EndpointDown, FatalError, RequestError, UsageError
+from batchrun.errors import (
+    BatchrunError,
+    EndpointDown,
+    FatalError,
+    JobExists,
+    LedgerError,
+    RequestError,
+    UsageError,
+)
 from batchrun.inputs import InputReader, file_digest
 from batchrun.ledger import FINAL_STATUSES, IngestReport, Job, Ledger
 from batchrun.outputs import write_results
@@ -107,6 +116,25 @@ def create_job(ledger: Ledger, name: str, input_path: Path, spec: RunSpec) -> In
         skip_invalid=spec.skip_invalid,
     )
     return replace(report, blank_lines=reader.stats.blank_lines)
+
+
+def create_or_join(
+    ledger: Ledger, name: str, input_path: Path, spec: RunSpec
+) -> IngestReport | None:
+    """create_job, or None when another process made the job meanwhile: the same file submitted
+    twice at once (cron and a user, say). The loser may wait out the winner's whole ingest, which
+    can outlast one busy timeout: it waits as a run does (RunnerSettings.busy_patience)."""
+    deadline = time.monotonic() + RunnerSettings().busy_patience
+    while True:
+        try:
+            return create_job(ledger, name, input_path, spec)
+        except JobExists:
+            return None
+        except LedgerError as exc:
+            if not exc.busy or time.monotonic() > deadline:
+                raise
+            if ledger.get_job(name) is not None:
+                return None
 
 
 def same_input(job: Job, input_path: Path) -> bool:

@@ -61,20 +61,29 @@ class Sender:
         guided = False  # whether the latest request carried response_format
 
         def log_attempt(status: str, **fields: Any) -> None:
-            where = {"item_id": item.item_id, "line": item.line, "digest": item.digest}
-            attempt = item.attempts + attempts
-            self.log.attempt(**where, summary=summary, attempt=attempt, status=status, **fields)
+            number = item.attempts + attempts
+            self.log.attempt(
+                item_id=item.item_id,
+                line=item.line,
+                digest=item.digest,
+                summary=summary,
+                attempt=number,
+                status=status,
+                **fields,
+            )
 
         async def attempt() -> Completion:
             nonlocal attempts, tries, guided
             attempts += 1
             tries += 1
-            if tries > 1:  # a retry of the same request (repairs are new requests, not retries)
-                self.stats.retries += 1
             guided = plan.guided
             request = CompletionRequest(item.endpoint, plan.request())
             async with self.throttle.slot(estimate_request_tokens(request.body)) as slot:
-                self.stats.requests += 1  # sent now: every request sent gets its attempt line
+                # Counted when sent (every request sent gets its attempt line); a retry is the
+                # same request again (repairs are new requests, not retries).
+                self.stats.requests += 1
+                if tries > 1:
+                    self.stats.retries += 1
                 try:
                     completion = await self.backend.complete(request, watch=slot)
                 except RequestError as exc:

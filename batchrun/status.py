@@ -11,13 +11,11 @@ from batchrun.ledger import STATUSES, Job, Ledger, runner_alive
 from batchrun.run_state import LEASE_TTL
 
 
-def _state(job: Job, counts: dict[str, int]) -> str:
+def _state(job: Job, counts: dict[str, int], attempts: int) -> str:
     if job.runner_owner and runner_alive(job.__dict__, time.time(), LEASE_TTL):
         return f"running (pid {job.runner_pid} on {job.runner_host})"
-    if counts["pending"] and counts["pending"] + counts["rejected"] == job.total:
-        return "not started"  # (or stopped before a single answer: nothing to show either way)
     if counts["pending"] or counts["running"]:
-        return "stopped"
+        return "stopped" if attempts else "not started"  # no request recorded for any item
     bad = counts["failed"] + counts["invalid"] + counts["rejected"]
     return "complete" if not bad else "complete with failures"
 
@@ -26,16 +24,18 @@ def jobs_table(ledger: Ledger) -> list[dict[str, Any]]:
     rows = []
     for job in ledger.list_jobs():
         counts = ledger.counts(job.name)
-        rows.append({"job": job.name, "state": _state(job, counts), "total": job.total, **counts})
+        state = _state(job, counts, ledger.attempts(job.name))
+        rows.append({"job": job.name, "state": state, "total": job.total, **counts})
     return rows
 
 
 def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
     counts = ledger.counts(job.name)
+    stats = ledger.item_stats(job.name)
     spec = orjson.loads(job.spec)
     return {
         "job": job.name,
-        "state": _state(job, counts),
+        "state": _state(job, counts, stats["attempts"]),
         "input": job.input_path,
         "input_digest": job.input_digest,
         "total": job.total,
@@ -53,7 +53,7 @@ def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
         }
         if job.runner_owner
         else None,
-        **ledger.item_stats(job.name),
+        **stats,
     }
 
 

@@ -12,8 +12,8 @@ server near one core per wall second means the server, not the client, set the p
 Contenders: bare httpx and bare aiohttp loops (no ledger, retries or logging: the floor), and
 `batchrun submit --concurrency C` streamed and not. With `--cookbook PATH` (a copy of the OpenAI
 cookbook's api_request_parallel_processor.py; this repository holds none of its code), that
-script too, not streamed, with budgets too large to bind: it keeps as many requests in flight
-as aiohttp's default connector allows (100).
+script too, not streamed, with budgets too large to bind and C requests in flight
+(benchmarks/cookbook_runner.py says how).
 
     python benchmarks/client_cost.py [--requests 5000] [--concurrency 32] [--tokens 30]
         [--repeat 3] [--only batchrun,bare-aiohttp,...] [--cookbook PATH]
@@ -202,28 +202,26 @@ def batchrun(url: str, work: Path, args: argparse.Namespace, stream: bool) -> Me
 
 
 def cookbook(url: str, work: Path, args: argparse.Namespace) -> Measured:
+    """The cookbook's script at --concurrency in flight (see cookbook_runner.py)."""
     out = work / f"cookbook-{time.monotonic_ns()}.jsonl"
     command = [
         sys.executable,
+        str(HERE / "cookbook_runner.py"),
         str(args.cookbook),
-        "--requests_filepath",
+        "--concurrency",
+        str(args.concurrency),
+        "--requests",
         str(work / "requests.jsonl"),
-        "--save_filepath",
+        "--save",
         str(out),
-        "--request_url",
+        "--url",
         f"{url}/chat/completions",
-        "--max_requests_per_minute",
-        "100000000",
-        "--max_tokens_per_minute",
-        "10000000000",
-        "--token_encoding_name",
-        "cl100k_base",
-        "--max_attempts",
-        "3",
-        "--logging_level",
-        "40",
     ]
-    return child(command, env={**os.environ, "OPENAI_API_KEY": "sk-not-needed"})
+    measured = child(command)
+    answered = sum(1 for line in out.read_text().splitlines() if '"choices"' in line)
+    if answered != args.requests:
+        raise SystemExit(f"the cookbook's script answered {answered} of {args.requests}")
+    return measured
 
 
 def contenders(args: argparse.Namespace) -> dict[str, tuple[bool, Callable[..., Measured]]]:

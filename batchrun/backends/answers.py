@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from batchrun.backends.base import Completion, Watch
+from batchrun.backends.errors_http import server_message
 from batchrun.backends.sse import Event
 from batchrun.errors import Overloaded, StreamCut
 
@@ -45,7 +46,7 @@ class StreamedAnswer:
                 self.done = True
                 break
             if kind == "error":
-                raise Overloaded(f"server error mid-stream: {_message(data)[:300]}")
+                raise Overloaded(f"server error mid-stream: {server_message(data)[:300]}")
             datas.append(data)
         for chunk in _parse_all(datas):
             self._chunk(chunk)
@@ -56,7 +57,9 @@ class StreamedAnswer:
         if not isinstance(chunk, dict):
             return
         if chunk.get("error"):
-            raise Overloaded(f"server error mid-stream: {str(chunk['error'])[:300]}")
+            raise Overloaded(
+                f"server error mid-stream: {server_message(orjson.dumps(chunk))[:300]}"
+            )
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         choices = chunk.get("choices") or []
@@ -172,21 +175,6 @@ def completion(
         ttft_s=ttft,
         server_timing=timing or None,
     )
-
-
-def _message(data: bytes) -> str:
-    """The server's own words from an `event: error` body ({"message": ...} or {"error": ...})."""
-    try:
-        chunk = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return data.decode("utf-8", "replace")
-    if isinstance(chunk, dict):
-        inner = chunk.get("error", chunk)
-        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
-            return str(inner["message"])
-        if isinstance(inner, str):
-            return inner
-    return str(chunk)
 
 
 def _is_number(value: Any) -> bool:

@@ -23,7 +23,12 @@ MAX_MESSAGE = 500
 
 
 def server_message(body: bytes) -> str:
-    """The human part of an error body, whatever shape the server chose."""
+    """The human part of an error body, whatever shape the server chose, on one line (a
+    server's line breaks could otherwise forge lines of our own output)."""
+    return " ".join(_message(body).split())[:MAX_MESSAGE]
+
+
+def _message(body: bytes) -> str:
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:

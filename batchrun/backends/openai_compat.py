@@ -248,10 +248,10 @@ class OpenAICompatBackend:
         async for data in body:
             answer.add(decoder.feed(data))
             if answer.done:
+                completion = answer.completion()  # whole (or not) now: its latency ends here
                 await _body_end(body)
-                break
-        else:
-            answer.add(decoder.close())
+                return completion
+        answer.add(decoder.close())
         if not answer.events:
             raise EmptyStream("the event stream closed without a single event")
         return answer.completion()
@@ -345,11 +345,16 @@ async def _body(resp: httpx.Response) -> AsyncIterator[bytes]:
 
 async def _body_end(body: AsyncIterator[bytes]) -> None:
     """After `[DONE]` the answer is whole. Servers end the body right after it, and a body read
-    to its end leaves the connection for the next request, so read on, but only briefly: a
-    server that holds the connection open past `[DONE]` loses that connection, not the answer."""
-    with anyio.move_on_after(DONE_GRACE_S):
-        async for _ in body:
-            pass
+    to its end leaves the connection for the next request, so read on, but only briefly, and
+    never at the answer's cost: a server that holds the connection open past `[DONE]`, or
+    drops it there, loses that connection; the request's own deadline is not reached here."""
+    left = anyio.current_effective_deadline() - anyio.current_time()
+    with anyio.move_on_after(min(DONE_GRACE_S, left / 2)):
+        try:
+            async for _ in body:
+                pass
+        except httpx.TransportError:
+            pass  # the connection ended badly after the answer: it is closed, nothing else
 
 
 def _unanswered(exc: httpx.TransportError) -> bool:

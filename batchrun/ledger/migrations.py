@@ -4,10 +4,13 @@ Each migration has a version number and runs once, in its own transaction, recor
 `schema_migrations`; running `migrate` again on an up-to-date ledger changes nothing. A new
 column or index is a new entry at the end of MIGRATIONS, never an edit of an old one.
 
-Each transaction takes the write lock when it begins (BEGIN IMMEDIATE on SQLite): two processes
-opening a brand-new ledger at once would otherwise both read that a migration is due, and the
-second to write would get "database is locked" at once, the busy timeout never consulted (SQLite
-refuses to wait for a lock that a reader holding its own could deadlock on).
+Opening an up-to-date ledger only reads (so `status` never waits behind a long ingest, and a
+read-only ledger still opens). When a migration is due, each transaction takes the write lock
+when it begins (BEGIN IMMEDIATE on SQLite, an advisory lock on PostgreSQL) and looks again: two
+processes opening a brand-new ledger at once would otherwise both read that a migration is due,
+and the second to write would fail (on SQLite "database is locked" at once, the busy timeout
+never consulted: SQLite refuses to wait for a lock that a reader holding its own could deadlock
+on).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from batchrun.ledger.engine import WRITE_OPTION
 from batchrun.ledger.schema import items, items_id_unique, jobs, schema_migrations
 
 REPAIR_COLUMNS = ("repairs", "repair_prompt_tokens", "repair_completion_tokens")
+MIGRATION_LOCK = 0x62617463  # PostgreSQL advisory lock key for migrations ("batc")
 
 
 def _v1_initial(conn: Connection) -> None:
@@ -52,6 +56,8 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
 
 def migrate(engine: Engine) -> int:
     """Bring the ledger to the newest schema; returns how many migrations ran."""
+    if not _due(engine):
+        return 0
     with _writing(engine) as conn:
         schema_migrations.create(conn, checkfirst=True)
     ran = 0
@@ -72,11 +78,23 @@ def migrate(engine: Engine) -> int:
     return ran
 
 
+def _due(engine: Engine) -> bool:
+    """Whether any migration has yet to run (a read: no lock is taken)."""
+    with engine.connect() as conn:
+        if not inspect(conn).has_table(schema_migrations.name):
+            return True
+        done = set(conn.execute(select(schema_migrations.c.version)).scalars())
+    return any(version not in done for version, _name, _apply in MIGRATIONS)
+
+
 @contextmanager
 def _writing(engine: Engine) -> Iterator[Connection]:
+    """A transaction that holds the ledger's write lock from its start."""
     with engine.connect() as conn:
         conn.execution_options(**{WRITE_OPTION: True})
         with conn.begin():
+            if conn.dialect.name == "postgresql":
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
             yield conn
 
 

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Connection, Engine, and_, bindparam, func, select, update
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from batchrun.errors import InputError, JobBusy, JobExists, LedgerError, UsageError
 from batchrun.inputs import BadLine, InputItem
@@ -110,17 +110,19 @@ class Ledger:
         with self._write("loading the input") as conn:
             if conn.execute(select(jobs.c.name).where(jobs.c.name == name)).first():
                 raise JobExists(f"job {name!r} already exists")
-            conn.execute(
-                jobs.insert().values(
-                    name=name,
-                    input_path=input_path,
-                    input_digest="",
-                    spec=spec,
-                    total=0,
-                    created_at=now,
-                    updated_at=now,
-                )
+            new_job = jobs.insert().values(
+                name=name,
+                input_path=input_path,
+                input_digest="",
+                spec=spec,
+                total=0,
+                created_at=now,
+                updated_at=now,
             )
+            try:
+                conn.execute(new_job)
+            except IntegrityError:  # PostgreSQL: another process made it since we looked
+                raise JobExists(f"job {name!r} already exists") from None
             loader = Loader(conn, name, now, skip_invalid=skip_invalid)
             for entry in lines:
                 loader.add(entry)
@@ -349,6 +351,14 @@ class Ledger:
             ).all()
         found = {status: int(n) for status, n in rows}
         return {s: found.get(s, 0) for s in STATUSES}
+
+    def attempts(self, name: str) -> int:
+        """Requests recorded for the job's items, all runs together (0: it never ran)."""
+        with self._read("counting attempts") as conn:
+            total = conn.execute(
+                select(func.sum(items.c.attempts)).where(items.c.job == name)
+            ).scalar()
+        return int(total or 0)
 
     def iter_results(self, name: str, batch: int = 2000) -> Iterator[dict[str, Any]]:
         """Every item of the job in input order, streamed in pages (constant memory)."""

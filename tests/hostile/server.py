@@ -11,7 +11,8 @@ next request and drops it unanswered, so a test needs no luck with timing to see
 Other switches make it drop every request on every connection unanswered (a server that is
 broken, not racing), cut each answer after its head and first chunk, answer with bytes that
 are not HTTP at all, or send a body the test wrote (a stream that is not whole, bytes that are
-not UTF-8), optionally holding the connection open after it without ending the body.
+not UTF-8), then ending the body, holding the connection open without ending it, or dropping
+the connection.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class Behaviour:
     garbage: bool = False  # answer with bytes that are not HTTP, then close
     body: bytes | None = None  # this body (SSE when streamed, else JSON) instead of an answer
     status: int = 200  # ... with this status (to every request, GET /models included)
-    hold: bool = False  # after the body: neither its end nor a close, until the client goes
+    after: str = "end"  # after a streamed body: "end" it, "hold" the connection open, "drop" it
 
 
 @dataclass
@@ -118,11 +119,12 @@ class HostileServer:
             await writer.drain()
             return False
         if how.body is not None:
-            await self._scripted(writer, request, how.body, hold=how.hold, status=how.status)
-            if how.hold and request.get("stream"):
+            await self._scripted(writer, request, how.body, status=how.status)
+            if not request.get("stream") or how.after == "end":
+                return True
+            if how.after == "hold":
                 await reader.read()  # until the client closes its end
-                return False
-            return True
+            return False
         writer.write(_answer(request))
         await writer.drain()
         self.counts.answered += 1
@@ -134,13 +136,13 @@ class HostileServer:
         request: dict[str, Any],
         body: bytes,
         *,
-        hold: bool,
         status: int,
     ) -> None:
-        """The test's body, as one chunk of a chunked stream (not ended with `hold`) or as a
-        sized JSON body."""
+        """The test's body, as one chunk of a chunked stream (its end sent only after "end") or
+        as a sized JSON body."""
         if request.get("stream") and status == 200:
-            writer.write(_stream_head() + _chunk(body) + (b"" if hold else b"0\r\n\r\n"))
+            end = b"0\r\n\r\n" if self.behaviour.after == "end" else b""
+            writer.write(_stream_head() + _chunk(body) + end)
         else:
             writer.write(_json_head(len(body), status) + body)
         await writer.drain()

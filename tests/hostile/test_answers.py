@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
-from batchrun.backends import OpenAICompatBackend
+from batchrun.backends import Completion, OpenAICompatBackend, openai_compat
 from batchrun.errors import RequestError, StreamCut
 from tests.hostile.server import Behaviour, HostileServer
 from tests.hostile.test_stale_connections import chat
@@ -38,13 +38,17 @@ def delta(text: str, finish: str | None = None) -> dict[str, Any]:
 DONE = b"data: [DONE]\n\n"
 
 
-async def answer(behaviour: Behaviour, *, stream: bool = True, timeout: float = 5) -> str:
+async def complete(behaviour: Behaviour, *, stream: bool = True, timeout: float = 5) -> Completion:
     async with HostileServer(behaviour) as server:
         backend = OpenAICompatBackend(server.url, stream=stream, timeout=timeout)
         try:
-            return (await backend.complete(chat("hi"))).text
+            return await backend.complete(chat("hi"))
         finally:
             await backend.aclose()
+
+
+async def answer(behaviour: Behaviour, *, stream: bool = True, timeout: float = 5) -> str:
+    return (await complete(behaviour, stream=stream, timeout=timeout)).text
 
 
 @pytest.mark.anyio
@@ -54,10 +58,23 @@ async def test_part_of_an_answer_then_done_without_a_finish_reason_is_not_whole(
 
 
 @pytest.mark.anyio
-async def test_a_whole_answer_then_a_connection_held_open_is_recorded() -> None:
-    # Before: "no complete answer within 5s" on every attempt.
+@pytest.mark.parametrize("after", ["hold", "drop"])
+async def test_a_whole_answer_then_a_connection_held_open_or_dropped_is_recorded(
+    after: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: "no complete answer within 5s" on every attempt (held), or a cut stream (dropped).
+    monkeypatch.setattr(openai_compat, "DONE_GRACE_S", 3.0)
     body = sse(delta("The cat "), delta("sat.", "stop"), DONE)
-    assert await answer(Behaviour(body=body, hold=True)) == "The cat sat."
+    completion = await complete(Behaviour(body=body, after=after), timeout=20)
+    assert completion.text == "The cat sat."
+    assert completion.latency_s < openai_compat.DONE_GRACE_S  # the wait is not the answer's
+
+
+@pytest.mark.anyio
+async def test_the_wait_after_done_never_outlasts_the_requests_deadline() -> None:
+    body = sse(delta("The cat "), delta("sat.", "stop"), DONE)
+    completion = await complete(Behaviour(body=body, after="hold"), timeout=0.8)
+    assert completion.text == "The cat sat."
 
 
 @pytest.mark.anyio
@@ -65,7 +82,7 @@ async def test_a_finish_reason_then_a_held_connection_without_done_still_times_o
     # Only [DONE] says nothing more comes (usage may follow the finish reason).
     body = sse(delta("The cat "), delta("sat.", "stop"))
     with pytest.raises(RequestError, match="within 2s"):
-        await answer(Behaviour(body=body, hold=True), timeout=2)
+        await answer(Behaviour(body=body, after="hold"), timeout=2)
 
 
 @pytest.mark.anyio

@@ -31,7 +31,7 @@ def test_one_of_two_first_submits_runs_and_the_other_is_told_why(
     tmp_path: Path, round_: int
 ) -> None:
     inp = tmp_path / "p.jsonl"
-    write_prompts(inp, 20)  # ~3 s at one request of 150 ms at a time: the loser meets it running
+    write_prompts(inp, 40)  # ~6 s at one request of 150 ms at a time: the loser meets it running
     (tmp_path / "home").mkdir()
     spec = tmp_path / "spec.toml"
     spec.write_text(SLOW_SIM)
@@ -39,4 +39,4 @@ def test_one_of_two_first_submits_runs_and_the_other_is_told_why(
     assert [r.returncode for r in results] == [0, 2], [r.stderr for r in results]
     loser = results[1].stderr
     assert "is being run by process" in loser, loser
-    assert CLI(tmp_path / "home").counts("p") == {"done": 20}
+    assert CLI(tmp_path / "home").counts("p") == {"done": 40}

@@ -16,8 +16,8 @@ from batchrun.cli_errors import printable
 from tests.hostile.server import Behaviour, serving
 from tests.integration.helpers import CLI
 
-EVIL = "\x1b]0;pwned\x07\x1b[32mall good\x1b[0m\rFAIL hidden\x9b2J"
-RAW = ("\x1b", "\x07", "\r", "\x9b")
+EVIL = "\x1b]0;pwned\x07\x1b[32mall good\x1b[0m\rFAIL hidden\x9b2J\nbatchrun: ready \u202eevil"
+RAW = ("\x1b", "\x07", "\r", "\x9b", "\u202e", "\nbatchrun: ready")
 
 
 @pytest.fixture
@@ -40,6 +40,7 @@ def strings(data: Any) -> Iterator[str]:
 
 def test_printable_escapes_controls_but_keeps_lines_and_tabs() -> None:
     assert printable("a\tb\nc\x1b[0m\r\x7f\x9b") == "a\tb\nc\\u001b[0m\\u000d\\u007f\\u009b"
+    assert printable("\u202e\u2028\u2066") == "\\u202e\\u2028\\u2066"  # bidi, line separator
     assert json.loads(printable(orjson.dumps({"e": EVIL}).decode())) == {"e": EVIL}
 
 
@@ -49,17 +50,23 @@ def test_summary_status_and_doctor_print_a_servers_escapes_escaped(
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "prompt": "hi"}\n')
     refusal = orjson.dumps({"error": {"message": EVIL}})
-    with serving(Behaviour(body=refusal, status=400)) as url:
+    with serving(Behaviour(body=refusal, status=401)) as url:  # a 401 aborts: in the summary
+        aborted = cli.run("submit", str(prompts), "--job", "k", "--base-url", url, "--model", "m")
+    with serving(Behaviour(body=refusal, status=400)) as url:  # a 400 fails the item: in status
         run = cli.run("submit", str(prompts), "--base-url", url, "--model", "m")
         doctor = cli.run("doctor", "--base-url", url, "--model", "m")
-    assert run.returncode != 0 and "1 failed" in run.stderr
+    assert aborted.returncode == 3 and "ABORTED" in aborted.stderr
+    assert run.returncode == 1 and "1 failed" in run.stderr
     assert f"checking at {url} ..." in doctor.stderr  # not the internal preset name "custom"
     status = cli.run("status", "p")
     assert "FAIL hidden" in status.stdout
     assert_clean(run.stderr)
-    for printed in (status.stdout, doctor.stdout):
+    for printed in (aborted.stderr, status.stdout, doctor.stdout):
         assert_clean(printed)
-        assert "\\u001b]0;pwned\\u0007" in printed and "\\u000dFAIL hidden\\u009b2J" in printed
+        assert "\\u001b]0;pwned\\u0007" in printed and "\\u009b2J" in printed
+        assert "\\u202eevil" in printed
     detail = cli.run("status", "p", "--json").stdout
-    assert any(EVIL in text for text in strings(json.loads(detail)))  # the same value
     assert not any(c in detail for c in RAW)
+    # the same value as stored (a server's line breaks are spaces: one line per message)
+    stored = " ".join(EVIL.split())
+    assert any(stored in text for text in strings(json.loads(detail)))

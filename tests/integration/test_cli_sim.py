@@ -350,3 +350,11 @@ def test_no_run_needs_no_endpoint_and_says_what_a_second_one_does(cli: CLI, tmp_
     assert ran.returncode == 0, ran.stderr
     assert cli.counts("later") == {"done": 3}
     assert json.loads(cli.run("status", "later", "--json").stdout)["state"] == "complete"
+
+    # a hosted preset's key is needed when the job runs, not when it is loaded
+    keyless = {"GROQ_API_KEY": ""}
+    load = ("submit", str(inp), "--job", "hosted", "--backend", "groq", "--no-run")
+    hosted = cli.run(*load, env=keyless)
+    assert hosted.returncode == 0, hosted.stderr
+    refused = cli.run("resume", "hosted", env=keyless)
+    assert refused.returncode == 2 and "GROQ_API_KEY" in refused.stderr

@@ -18,6 +18,7 @@ from batchrun.ledger import ItemResult, Ledger
 from batchrun.ledger.engine import make_engine
 from batchrun.ledger.migrations import MIGRATIONS, current_version, migrate
 from batchrun.outputs import native_record, openai_record
+from batchrun.status import job_detail, jobs_table
 
 
 def item(line: int, item_id: str | None = None) -> InputItem:
@@ -427,3 +428,20 @@ def test_migrations_bring_an_older_ledger_up_to_date(tmp_path: Path) -> None:
         "prompt_tokens": 0,
         "completion_tokens": 0,
     }
+
+
+def test_a_job_is_not_started_until_a_request_is_recorded_and_stopped_after(
+    ledger: Ledger,
+) -> None:
+    make_job(ledger, 2)
+    job = ledger.get_job("j")
+    assert job is not None and job_detail(ledger, job)["state"] == "not started"
+    ledger.acquire("j", "me", ttl=60)
+    ledger.claim("j", "me", 2, lease_ttl=60)
+    failed = ItemResult(line=1, status="failed", attempts=3, error="HTTP 500")
+    ledger.record("j", "me", [failed, done(2)])
+    ledger.release("j", "me")
+    ledger.requeue("j")  # `batchrun retry`: pending again, but it has run
+    job = ledger.get_job("j")
+    assert job is not None and job_detail(ledger, job)["state"] == "stopped"
+    assert jobs_table(ledger)[0]["state"] == "stopped"
