@@ -14,9 +14,10 @@ What a serving engineer concludes from a server, done continuously:
   decides which). Throughput is read from the curve of throughput against concurrency
   (evidence.py), built from every answer with Little's law, each level judged on many answers,
   never on how one burst of completions happened to be spread.
-- **Steady.** Now and then the limit probes higher (boldly right after a first-token knee); a
-  probe is kept when it bought 5% more throughput and more than chance explains, and kept
-  probes grow bolder (a recovery ramp). When the curve says a level elsewhere gives clearly
+- **Steady.** Now and then the limit probes higher (boldly right after a first-token knee, and
+  only while the curve shows half the level giving clearly less); a probe is kept when it
+  bought 5% more throughput and more than chance explains, and kept probes grow bolder (a
+  recovery ramp). When the curve says a level elsewhere gives clearly
   more, the limit moves there; while requests queue and a lower level gives as much, it moves
   down to it.
 - **Frontier.** However the limit grows, only a few requests at a time go above the most the
@@ -265,7 +266,10 @@ class ConcurrencyController:
         return None
 
     def _probe(self, now: float) -> Change | None:
-        target = min(self.maximum, max(self.limit + 1, math.ceil(self.limit * self._probe_step)))
+        step = self._probe_step
+        if step > 1.25 and self._flat_below():
+            step = 1.25  # bold only while the curve still climbs: past a knee it costs a queue
+        target = min(self.maximum, max(self.limit + 1, math.ceil(self.limit * step)))
         if self.ceiling is not None and target > self.ceiling:
             past = self._past_ceiling(now)
             if past is None:
@@ -277,6 +281,14 @@ class ConcurrencyController:
         self._probe_from = self.limit
         self.phase = "probe"
         return self._set(now, target, "probe", "throughput")
+
+    def _flat_below(self) -> bool:
+        """Whether the curve shows that half this level gave as much (within GAIN): then the
+        server's batch is full here, and a probe twice as high would only queue."""
+        known = dict(self.curve.known())
+        top = Curve.bucket(self.limit)
+        here, half = known.get(top), known.get(top - 2)
+        return here is not None and half is not None and here < GAIN * half
 
     def _past_ceiling(self, now: float) -> int | None:
         """Where to look past the ceiling: halfway to where failures began (a binary search

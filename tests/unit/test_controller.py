@@ -290,3 +290,25 @@ def test_bad_bounds_are_refused() -> None:
         ConcurrencyController(minimum=0)
     with pytest.raises(ValueError):
         ConcurrencyController(minimum=8, maximum=4)
+
+
+@pytest.mark.parametrize(
+    ("half_latency", "probe"), [(0.1, 25), (0.2, 40)], ids=["flat", "climbing"]
+)
+def test_the_bold_probe_after_a_first_token_knee_needs_a_climbing_curve(
+    half_latency: float, probe: int
+) -> None:
+    # llama-server -np 8: the ramp overshoots to ~20 before first tokens say "queue"; 10 in
+    # flight gave as much, so twice 20 would only queue (one run lost 15% for 4.5 s at 40).
+    # Prefill contention: throughput still doubles from 10 to 20, so twice is worth a look.
+    ctl = ConcurrencyController(initial=20, maximum=256)
+    for _ in range(8):
+        ctl.curve.add(10, tokens=40, latency=half_latency)
+    ctl._settle(0.0, 20, "knee", "ttft")  # as a first-token knee at 20 does
+    at_20 = Observation(
+        sent_in_flight=20, ended_in_flight=20, sent_at_limit=20, tokens=40, latency=0.2, ttft=0.05
+    )
+    change = None
+    for i in range(8):
+        change = ctl.finished(1.0 + i, at_20) or change
+    assert change is not None and (change.reason, change.limit) == ("probe", probe)
