@@ -139,7 +139,7 @@ class ConcurrencyController:
         if self.phase != "ramp" and sent_at_limit != self.limit:
             return None
         if not self.metrics:
-            self._queue.add(ttft, sent_in_flight)
+            self._queue.add(ttft)
         if self.phase != "ramp":
             return None
         if not self.metrics and self._queue.queued():

@@ -121,22 +121,18 @@ class QueueSignal:
     def __init__(self) -> None:
         self.baseline: float | None = None
         self._first: list[float] = []
-        self._recent: deque[tuple[bool, int]] = deque(maxlen=QUEUE_RECENT)
+        self._recent: deque[bool] = deque(maxlen=QUEUE_RECENT)  # queued?
 
-    def add(self, ttft: float, level: int) -> None:
+    def add(self, ttft: float) -> None:
         if self.baseline is None:
             self._first.append(ttft)
             if len(self._first) >= BASELINE_SAMPLES:
                 self.baseline = statistics.median(self._first)
             return
-        self._recent.append((ttft > QUEUE_FACTOR * self.baseline + JITTER_S, level))
+        self._recent.append(ttft > QUEUE_FACTOR * self.baseline + JITTER_S)
 
     def queued(self) -> bool:
-        return len(self._recent) == QUEUE_RECENT and sum(q for q, _ in self._recent) >= 3
-
-    def onset(self) -> int:
-        """The lowest level at which recent requests queued."""
-        return min(level for queued, level in self._recent if queued)
+        return len(self._recent) == QUEUE_RECENT and sum(self._recent) >= 3
 
     def clear(self) -> None:
         self._recent.clear()
