@@ -34,7 +34,7 @@ from batchrun.ledger import FINAL_STATUSES, IngestReport, Job, Ledger
 from batchrun.outputs import write_results
 from batchrun.progress import JobLog, Progress
 from batchrun.retry import OutageWatch, RetryPolicy
-from batchrun.run_state import RunnerSettings, RunStats
+from batchrun.run_state import BUSY_PATIENCE_S, RunnerSettings, RunStats
 from batchrun.runner import Runner
 from batchrun.server_metrics import metrics_url
 from batchrun.sim import SimConfig, SimModel, SimTransport
@@ -123,8 +123,8 @@ def create_or_join(
 ) -> IngestReport | None:
     """create_job, or None when another process made the job meanwhile: the same file submitted
     twice at once (cron and a user, say). The loser may wait out the winner's whole ingest, which
-    can outlast one busy timeout: it waits as a run does (RunnerSettings.busy_patience)."""
-    deadline = time.monotonic() + RunnerSettings().busy_patience
+    can outlast one busy timeout: it waits as a run does (BUSY_PATIENCE_S)."""
+    deadline = time.monotonic() + BUSY_PATIENCE_S
     while True:
         try:
             return create_job(ledger, name, input_path, spec)

@@ -30,12 +30,15 @@ class RunStats:
     interrupted: bool = False
 
 
+BUSY_PATIENCE_S = 600.0  # how long to wait for another process's ledger lock (a long ingest)
+
+
 @dataclass(frozen=True)
 class RunnerSettings:
     lease_ttl: float = LEASE_TTL
     commit_interval: float = 0.2
     drain_timeout: float = 10.0
-    busy_patience: float = 600.0  # how long to wait for another process's ledger lock
+    busy_patience: float = BUSY_PATIENCE_S
     # Waiting and telling time, for retries, outages and pacing; tests pass fakes.
     sleep: Sleep = anyio.sleep
     clock: Callable[[], float] = time.monotonic

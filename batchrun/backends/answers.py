@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from batchrun.backends.base import Completion, Watch
-from batchrun.backends.errors_http import server_message
+from batchrun.backends.errors_http import message_of, server_message
 from batchrun.backends.sse import Event
 from batchrun.errors import Overloaded, StreamCut
 
@@ -58,7 +58,7 @@ class StreamedAnswer:
             return
         if chunk.get("error"):
             raise Overloaded(
-                f"server error mid-stream: {server_message(orjson.dumps(chunk))[:300]}"
+                f"server error mid-stream: {message_of(chunk, str(chunk['error']))[:300]}"
             )
         if chunk.get("usage"):
             self.usage = chunk["usage"]

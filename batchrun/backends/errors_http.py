@@ -6,6 +6,7 @@ import email.utils
 import re
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import orjson
 
@@ -23,27 +24,31 @@ MAX_MESSAGE = 500
 
 
 def server_message(body: bytes) -> str:
-    """The human part of an error body, whatever shape the server chose, on one line (a
-    server's line breaks could otherwise forge lines of our own output)."""
-    return " ".join(_message(body).split())[:MAX_MESSAGE]
-
-
-def _message(body: bytes) -> str:
+    """The human part of an error body, whatever shape the server chose."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return body.decode("utf-8", "replace").strip()[:MAX_MESSAGE]
+        data = None
+    return message_of(data, body.decode("utf-8", "replace"))
+
+
+def message_of(data: Any, fallback: str) -> str:
+    """The human part of a parsed error (`{"error": {"message": ...}}`, `{"detail": ...}`,
+    ...), else `fallback`; on one line (a server's line breaks could otherwise forge lines of
+    our own output) and at most MAX_MESSAGE characters."""
+    found: Any = None
     if isinstance(data, dict):
         err = data.get("error", data)
         if isinstance(err, dict):
-            for key in ("message", "detail", "msg"):
-                if isinstance(err.get(key), str):
-                    return str(err[key])[:MAX_MESSAGE]
+            found = next(
+                (err[k] for k in ("message", "detail", "msg") if isinstance(err.get(k), str)), None
+            )
         elif isinstance(err, str):
-            return err[:MAX_MESSAGE]
-        if isinstance(data.get("detail"), str):
-            return str(data["detail"])[:MAX_MESSAGE]
-    return body.decode("utf-8", "replace").strip()[:MAX_MESSAGE]
+            found = err
+        if found is None and isinstance(data.get("detail"), str):
+            found = data["detail"]
+    text = found if isinstance(found, str) else fallback
+    return " ".join(text[: 4 * MAX_MESSAGE].split())[:MAX_MESSAGE]
 
 
 def retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:
