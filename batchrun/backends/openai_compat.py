@@ -65,7 +65,9 @@ class OpenAICompatBackend:
         if api_key:
             headers["authorization"] = f"Bearer {api_key}"
         self._headers = httpx.Headers(headers)
-        self._timeouts = httpx.Timeout(timeout, connect=min(timeout, 10.0)).as_dict()
+        # No read timeout: every request runs under fail_after(timeout), which a per-read
+        # timer (restarted on each network read, one timer a streamed token) cannot beat.
+        self._timeouts = httpx.Timeout(timeout, connect=min(timeout, 10.0), read=None).as_dict()
         self._urls = {
             kind: httpx.URL(self.base_url + path) for kind, path in ENDPOINT_PATHS.items()
         }
@@ -249,7 +251,8 @@ class OpenAICompatBackend:
             answer.add(decoder.feed(data))
             if answer.done:
                 completion = answer.completion()  # whole (or not) now: its latency ends here
-                await _body_end(body)
+                spent = time.perf_counter() - out.started
+                await _body_end(body, min(DONE_GRACE_S, (self.timeout - spent) / 2))
                 return completion
         answer.add(decoder.close())
         if not answer.events:
@@ -343,13 +346,13 @@ async def _body(resp: httpx.Response) -> AsyncIterator[bytes]:
         yield part
 
 
-async def _body_end(body: AsyncIterator[bytes]) -> None:
+async def _body_end(body: AsyncIterator[bytes], grace: float) -> None:
     """After `[DONE]` the answer is whole. Servers end the body right after it, and a body read
     to its end leaves the connection for the next request, so read on, but only briefly, and
     never at the answer's cost: a server that holds the connection open past `[DONE]`, or
-    drops it there, loses that connection; the request's own deadline is not reached here."""
-    left = anyio.current_effective_deadline() - anyio.current_time()
-    with anyio.move_on_after(min(DONE_GRACE_S, left / 2)):
+    drops it there, loses that connection. `grace` keeps clear of the request's own deadline
+    (the caller knows it, which is cheaper than asking anyio for it on every answer)."""
+    with anyio.CancelScope(deadline=anyio.current_time() + grace):
         try:
             async for _ in body:
                 pass
