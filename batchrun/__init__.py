@@ -1,3 +1,49 @@
-"""batchrun: push large JSONL files of prompts through OpenAI-compatible endpoints, durably."""
+"""batchrun: push large JSONL files of prompts through OpenAI-compatible endpoints, durably.
 
-__version__ = "0.1.0"
+The names below are the whole public API; every module under batchrun/ is private.
+
+    import batchrun
+    report = batchrun.submit("prompts.jsonl", backend="sim")
+    for result in batchrun.results(report.job):
+        print(result.line, result.status, result.output)
+"""
+
+__version__ = "0.1.0"  # before the imports: modules below read it
+
+from batchrun.api import (
+    JobReport,
+    RunOptions,
+    export,
+    list_jobs,
+    results,
+    resume,
+    resume_async,
+    retry,
+    status,
+    submit,
+    submit_async,
+)
+from batchrun.errors import BatchrunError, FatalError, InputError, UsageError
+from batchrun.outputs import Result
+from batchrun.progress import ProgressUpdate
+
+__all__ = [
+    "BatchrunError",
+    "FatalError",
+    "InputError",
+    "JobReport",
+    "ProgressUpdate",
+    "Result",
+    "RunOptions",
+    "UsageError",
+    "__version__",
+    "export",
+    "list_jobs",
+    "results",
+    "resume",
+    "resume_async",
+    "retry",
+    "status",
+    "submit",
+    "submit_async",
+]

@@ -1,13 +1,12 @@
-"""The `batchrun` command: parses options, calls the library, maps errors to exit codes.
-
-The only module that calls anyio.run. No SQL, no HTTP here.
+"""The `batchrun` command: parses options, calls the Python API (api.py), prints what it
+says and maps errors to exit codes. No SQL, no HTTP here.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -15,31 +14,28 @@ import anyio
 import click
 import orjson
 
-from batchrun import __version__, jobs
+from batchrun import __version__, api
 from batchrun.cli_bench import bench
-from batchrun.cli_errors import errors_to_exit_codes, say, show
+from batchrun.cli_errors import EXIT_ABORTED, errors_to_exit_codes, say, show
+from batchrun.cli_report import ProgressBar, exit_code, summary_line
 from batchrun.cli_sim import sim
-from batchrun.config import PRESETS, RunSpec, load_spec_file, resolve
+from batchrun.config import PRESETS, resolve
 from batchrun.doctor import diagnose, ready, render
-from batchrun.errors import UsageError
-from batchrun.jobs import Home
-from batchrun.ledger import IngestReport, Ledger
 from batchrun.outputs import FORMATS
-from batchrun.status import job_detail, jobs_table, render_detail, render_table
+from batchrun.status import render_detail, render_table
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+@dataclass(frozen=True)
 class Context:
-    def __init__(self, home: Path, ledger_url: str | None) -> None:
-        self.home = Home.at(home, ledger_url)
-        self._ledger: Ledger | None = None
+    home: Path
+    ledger: str | None
 
     @property
-    def ledger(self) -> Ledger:
-        if self._ledger is None:
-            self._ledger = Ledger(self.home.ledger_url)
-        return self._ledger
+    def where(self) -> dict[str, Any]:
+        """Where the API's verbs find the ledger."""
+        return {"home": self.home, "ledger": self.ledger}
 
 
 pass_ctx = click.make_pass_decorator(Context)
@@ -156,26 +152,18 @@ def run_options(fn: F) -> F:
     return fn
 
 
-def _layers(spec_file: Path | None, options: dict[str, Any]) -> list[dict[str, Any]]:
-    layers = [load_spec_file(spec_file)] if spec_file else []
-    layers.append(options)
-    return layers
+def _run_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options given (click passes None for the ones left out)."""
+    return {key: value for key, value in options.items() if value is not None}
 
 
-def _run(ctx: Context, name: str, spec: RunSpec, quiet: bool) -> None:
-    ledger, home = ctx.ledger, ctx.home
-    counts = ledger.counts(name)
-    stats = None
-    if counts["pending"] or counts["running"]:
-        stats = anyio.run(functools.partial(jobs.run_job, ledger, home, name, spec, quiet=quiet))
-    else:
-        say(f"job {name} has nothing left to do")
-    job = ledger.get_job(name)
-    final_spec = jobs.job_spec(job) if job else spec
-    counts, complete = jobs.finish(ledger, home, name, final_spec)
-    output = home.output_path(name) if complete else None
-    say(jobs.summary_line(name, counts, stats, output))
-    sys.exit(jobs.exit_code(counts, stats))
+def _finish(report: api.JobReport, bar: ProgressBar, *, quiet: bool) -> None:
+    bar.close()
+    if quiet:  # the notes were not said as they came
+        for note in report.notes:
+            say(note)
+    say(summary_line(report))
+    sys.exit(exit_code(report))
 
 
 @main.command()
@@ -216,45 +204,19 @@ def submit(
 
     Submitting the same file under the same job name again resumes that job instead.
     """
-    name = jobs.check_job_name(job_name or jobs.default_job_name(input_path))
-    ledger = ctx.ledger
-    layers = _layers(spec_file, options)
-    existing = ledger.get_job(name)
-    spec = jobs.resolve_for_job(existing, *layers, endpoint_required=not no_run)
-    if existing is None:
-        report = jobs.create_or_join(ledger, name, input_path, spec)
-        if report is None:  # another submit made it since we looked: as if it had been there
-            existing = ledger.get_job(name)
-            assert existing is not None
-            spec = jobs.resolve_for_job(existing, *layers, endpoint_required=not no_run)
-        elif not quiet:
-            say(_loaded(name, report))
-    if existing is not None:
-        if not jobs.same_input(existing, input_path):
-            raise UsageError(
-                f"job {name!r} exists and was made from a different input "
-                f"({existing.input_path}); use another --job name"
-            )
-        if not quiet:
-            say(f"job {name} exists for this file; {_left(ledger, name, no_run)}")
-    if no_run:
-        return
-    _run(ctx, name, spec, quiet)
-
-
-def _left(ledger: Ledger, name: str, no_run: bool) -> str:
-    """What a second submit of the same file does: resume, or (--no-run) nothing."""
+    bar = ProgressBar(quiet=quiet)
+    report = api.submit(
+        input_path,
+        job=job_name,
+        run=not no_run,
+        spec=spec_file,
+        on_progress=bar,
+        on_message=None if quiet else bar.say,
+        **ctx.where,
+        **_run_options(options),
+    )
     if not no_run:
-        return "resuming it"
-    counts = ledger.counts(name)
-    waiting = counts["pending"] + counts["running"]
-    return f"nothing loaded (--no-run); {waiting} item(s) still to send: `batchrun resume {name}`"
-
-
-def _loaded(name: str, report: IngestReport) -> str:
-    rejected = f", {report.rejected} rejected" if report.rejected else ""
-    blank = f", {len(report.blank_lines)} blank line(s) skipped" if report.blank_lines else ""
-    return f"job {name}: loaded {report.accepted} items{rejected}{blank}"
+        _finish(report, bar, quiet=quiet)
 
 
 @main.command()
@@ -277,20 +239,17 @@ def resume(
     **options: Any,
 ) -> None:
     """Continue JOB_NAME: every item that has no final record yet."""
-    job = _job(ctx, job_name)
-    note = jobs.check_input_unchanged(job, allow=allow_changed_input)
-    if note:
-        say(note)
-    spec = jobs.resolve_for_job(job, *_layers(spec_file, options))
-    _run(ctx, job.name, spec, quiet)
-
-
-def _job(ctx: Context, name: str) -> Any:
-    job = ctx.ledger.get_job(name)
-    if job is None:
-        known = ", ".join(j.name for j in ctx.ledger.list_jobs()) or "none"
-        raise UsageError(f"no job named {name!r} in {ctx.home.ledger_url} (jobs: {known})")
-    return job
+    bar = ProgressBar(quiet=quiet)
+    report = api.resume(
+        job_name,
+        allow_changed_input=allow_changed_input,
+        spec=spec_file,
+        on_progress=bar,
+        on_message=None if quiet else bar.say,
+        **ctx.where,
+        **_run_options(options),
+    )
+    _finish(report, bar, quiet=quiet)
 
 
 @main.command()
@@ -301,10 +260,10 @@ def _job(ctx: Context, name: str) -> Any:
 def status(ctx: Context, job_name: str | None, as_json: bool) -> None:
     """All jobs, or one job in detail."""
     if job_name is None:
-        rows = jobs_table(ctx.ledger)
+        rows = api.list_jobs(**ctx.where)
         show(_dump(rows) if as_json else render_table(rows))
         return
-    detail = job_detail(ctx.ledger, _job(ctx, job_name))
+    detail = api.status(job_name, **ctx.where)
     show(_dump(detail) if as_json else render_detail(detail))
 
 
@@ -325,11 +284,9 @@ def _dump(data: Any) -> str:
 @errors_to_exit_codes
 def export(ctx: Context, job_name: str, output: Path | None, fmt: str) -> None:
     """Write JOB_NAME's results file again (one line per input line, input order)."""
-    job = _job(ctx, job_name)
-    path = output or ctx.home.output_path(job.name)
-    spec = jobs.job_spec(job)
-    count = jobs.export(ctx.ledger, path, job.name, spec, fmt)
-    say(f"wrote {count} lines to {path}")
+    path = api.export(job_name, fmt=fmt, path=output, **ctx.where)
+    with path.open("rb") as f:
+        say(f"wrote {sum(1 for _ in f)} lines to {path}")
 
 
 @main.command()
@@ -338,9 +295,8 @@ def export(ctx: Context, job_name: str, output: Path | None, fmt: str) -> None:
 @errors_to_exit_codes
 def retry(ctx: Context, job_name: str) -> None:
     """Put JOB_NAME's failed and invalid items back to pending (then run `resume`)."""
-    job = _job(ctx, job_name)
-    count = ctx.ledger.requeue(job.name)
-    say(f"{count} item(s) of {job.name} back to pending; run `batchrun resume {job.name}`")
+    count = api.retry(job_name, **ctx.where)
+    say(f"{count} item(s) of {job_name} back to pending; run `batchrun resume {job_name}`")
 
 
 @main.command()
@@ -359,7 +315,7 @@ def doctor(**options: Any) -> None:
     show(render(checks))
     if not ready(checks):
         say("not ready: fix the FAIL lines marked above before running a job")
-        sys.exit(jobs.EXIT_ABORTED)
+        sys.exit(EXIT_ABORTED)
     say("ready: a job can run against this endpoint")
 
 

@@ -16,9 +16,10 @@ from typing import Any, TypeVar
 import click
 
 from batchrun.errors import BatchrunError, FatalError
-from batchrun.jobs import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_USAGE
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_ABORTED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 # C0 controls but newline and tab, DEL, C1 controls (U+009B alone starts an escape sequence),

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from batchrun.backends import Backend, Completion, CompletionRequest, Transport
+from batchrun.backends.build import build_backend
 from batchrun.config import RunSpec, preset_for
 from batchrun.errors import (
     AuthFailed,
@@ -21,7 +22,6 @@ from batchrun.errors import (
     RequestError,
     UsageError,
 )
-from batchrun.jobs import build_backend
 from batchrun.validate import SchemaCheck, response_format
 
 # Short by construction (a server that enforces it cannot run on past the probe's tokens, as a
@@ -121,7 +121,7 @@ async def _chat(
         checks.append(Check("streaming", False, streamed))
         return
     ttft = "-" if streamed.ttft_s is None else f"{streamed.ttft_s * 1000:.0f} ms"
-    note = "" if getattr(backend, "stream_options", True) else "; refuses stream_options"
+    note = "" if backend.stream_options else "; refuses stream_options"
     checks.append(Check("streaming", True, f"time to first token {ttft}{note}"))
     checks.append(_usage_check("usage (streamed)", streamed))
 

@@ -106,7 +106,7 @@ class UsageError(BatchrunError):
     """A problem with how batchrun was invoked or configured (exit code 2)."""
 
 
-class InputError(UsageError):
+class InputError(BatchrunError):
     """The input file has bad lines; carries every problem found, by line number."""
 
     def __init__(self, problems: list[tuple[int, str]], *, path: str = "") -> None:
@@ -118,20 +118,25 @@ class InputError(UsageError):
         super().__init__(f"{where}{len(problems)} bad line(s), nothing was sent:\n{shown}{more}")
 
 
-class JobExists(UsageError):
-    """A job of that name is already in the ledger (another submit may have just made it)."""
-
-
-class JobBusy(UsageError):
-    """Another live process is running this job."""
+class EmptyInput(BatchrunError):
+    """The input file holds no item at all (empty, or only blank lines)."""
 
 
 class LedgerError(BatchrunError):
-    """The ledger could not be opened, read or written (disk full, read-only, corrupt)."""
+    """The ledger could not be opened, read or written (disk full, read-only, corrupt), or
+    refused a change that would break its rules (the subclasses below)."""
 
     def __init__(self, message: str, *, busy: bool = False) -> None:
         super().__init__(message)
         self.busy = busy  # another process held the lock past the busy timeout
+
+
+class JobExists(LedgerError):
+    """A job of that name is already in the ledger (another submit may have just made it)."""
+
+
+class JobBusy(LedgerError):
+    """Another live process is running this job."""
 
 
 class OutputError(BatchrunError):

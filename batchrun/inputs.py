@@ -12,11 +12,12 @@ import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, NamedTuple
+from typing import IO, Any
 
 import orjson
 
 from batchrun.errors import UsageError
+from batchrun.ledger.records import BadLine, InputItem
 from batchrun.validate import response_format, schema_of, schema_problem
 
 # Top-level fields of a prompt/messages line that are request parameters rather than meta.
@@ -52,22 +53,6 @@ SCHEMA_KEY = "schema"  # a line's own JSON Schema for its answer: shorthand for 
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 BOM = b"\xef\xbb\xbf"
 _READ_CHUNK = 1 << 16
-
-
-class InputItem(NamedTuple):
-    """One valid input line, ready to be stored and sent (a NamedTuple: cheap to build)."""
-
-    line: int
-    item_id: str
-    endpoint: str
-    body: bytes  # the line's own request fields, JSON; job defaults are added at send time
-    digest: str  # sha256 of the canonical request: job defaults + line fields, sorted keys
-    meta: bytes | None  # extra top-level fields, JSON, handed back in the output
-
-
-class BadLine(NamedTuple):
-    line: int
-    reason: str
 
 
 @dataclass

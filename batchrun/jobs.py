@@ -1,24 +1,20 @@
-"""A job's life cycle: create or find it, wire its backend, run it, write its results.
-
-This is the library behind the CLI's submit/resume/export/retry; the CLI only parses options,
-calls these functions (the async ones through anyio.run) and maps errors to exit codes.
-"""
+"""A job's life cycle: create or find it, run it, write its results (the domain verbs that
+the Python API in api.py composes; backends are made in backends/build.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import anyio
-import orjson
 
-from batchrun.backends import Backend, MetricsReader, OpenAICompatBackend, Transport
+from batchrun.backends import Backend, Transport
+from batchrun.backends.build import build_backend, metrics_reader, sim_config, sim_transport
 from batchrun.config import RunSpec, preset_for, resolve
 from batchrun.errors import (
     BatchrunError,
@@ -31,22 +27,15 @@ from batchrun.errors import (
 )
 from batchrun.inputs import InputReader, file_digest
 from batchrun.ledger import FINAL_STATUSES, IngestReport, Job, Ledger
-from batchrun.outputs import write_results
-from batchrun.progress import JobLog, Progress
+from batchrun.outputs import FORMATS, write_results
+from batchrun.progress import JobLog, Progress, ProgressUpdate
 from batchrun.retry import OutageWatch, RetryPolicy
 from batchrun.run_state import BUSY_PATIENCE_S, RunnerSettings, RunStats
 from batchrun.runner import Runner
-from batchrun.server_metrics import metrics_url
-from batchrun.sim import SimConfig, SimModel, SimTransport
-from batchrun.sim.faults import FAULT_KINDS, check_rates
-from batchrun.sim.json_answers import JSON_STYLES
 from batchrun.structured import OutputRules
 from batchrun.validate import load_schema
 
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")  # in full: `$` allows a final \n
-SIM_DEFAULTS: dict[str, Any] = {"ttft_ms": 20.0, "tpot_ms": 1.0}
-
-EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_ABORTED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 @dataclass(frozen=True)
@@ -61,8 +50,8 @@ class Home:
         root = root.resolve()
         return cls(root, ledger_url or f"sqlite:///{root / 'jobs' / 'ledger.db'}")
 
-    def output_path(self, job: str) -> Path:
-        return self.root / "outputs" / f"{job}.jsonl"
+    def output_path(self, job: str, fmt: str = "native") -> Path:
+        return self.root / "outputs" / f"{job}{FORMATS[fmt].suffix}"
 
     def log_path(self, job: str) -> Path:
         return self.root / "logs" / f"{job}.log"
@@ -82,19 +71,10 @@ def default_job_name(input_path: Path) -> str:
     return stem[:100]
 
 
-def stored_spec(job: Job) -> dict[str, Any]:
-    data: dict[str, Any] = orjson.loads(job.spec)
-    return data
-
-
 def job_spec(job: Job) -> RunSpec:
     """The spec a job last ran with, checked like any other (a clear error, not a TypeError,
     if it was stored by a version with other option names)."""
-    return resolve(stored_spec(job), endpoint_required=False)
-
-
-def spec_json(spec: RunSpec) -> str:
-    return orjson.dumps(spec.to_json()).decode()
+    return resolve(job.spec, endpoint_required=False)
 
 
 def create_job(ledger: Ledger, name: str, input_path: Path, spec: RunSpec) -> IngestReport:
@@ -111,7 +91,7 @@ def create_job(ledger: Ledger, name: str, input_path: Path, spec: RunSpec) -> In
         name,
         input_path=str(input_path.resolve()),
         input_digest=lambda: reader.stats.file_digest,
-        spec=spec_json(spec),
+        spec=spec.to_json(),
         lines=reader,
         skip_invalid=spec.skip_invalid,
     )
@@ -167,7 +147,7 @@ def resolve_for_job(
     """The job's spec for this run, checked before anything is loaded or sent: the schema file
     is read and stored by absolute path, the simulator options are type-checked. Only a job
     loaded and not run may go without an endpoint (`submit --no-run`)."""
-    base = stored_spec(job) if job else {}
+    base = job.spec if job else {}
     spec = resolve(base, *layers, endpoint_required=endpoint_required)
     if spec.schema:
         load_schema(spec.schema)
@@ -175,77 +155,6 @@ def resolve_for_job(
     if spec.backend == "sim":
         sim_config(spec)
     return spec
-
-
-def sim_config(spec: RunSpec) -> SimConfig:
-    """The in-process simulator's settings: defaults, then the spec's `sim_options`."""
-    options = {**SIM_DEFAULTS, **spec.sim_options}
-    defaults = dataclasses.asdict(SimConfig())
-    accepted = {
-        float: (int, float),
-        int: (int,),
-        bool: (bool,),
-        tuple: (list, tuple),
-        dict: (dict,),
-    }
-    for key, value in options.items():
-        if key not in defaults:
-            raise UsageError(f"sim_options: unknown option {key!r} (known: {', '.join(defaults)})")
-        kind = type(defaults[key])
-        allowed = accepted.get(kind)
-        wrong_type = allowed is not None and not isinstance(value, allowed)
-        bool_for_number = isinstance(value, bool) and kind is not bool
-        if wrong_type or bool_for_number:
-            raise UsageError(f"sim_options: {key} must be {kind.__name__}, got {value!r}")
-    if isinstance(options.get("models"), list):
-        options["models"] = tuple(options["models"])
-    for key, known in (("faults", FAULT_KINDS), ("json_styles", JSON_STYLES)):
-        try:
-            check_rates(options.get(key, {}), known, key.rstrip("s").replace("_", " "))
-        except ValueError as exc:
-            raise UsageError(f"sim_options.{key}: {exc}") from None
-    return SimConfig(**options)
-
-
-def build_backend(spec: RunSpec, transport: Transport | None = None) -> Backend:
-    return OpenAICompatBackend(
-        spec.base_url,
-        api_key=checked_key(spec),
-        timeout=spec.timeout,
-        stream=spec.stream,
-        stream_options=preset_for(spec).stream_options,
-        max_connections=spec.most_in_flight,
-        transport=transport or sim_transport(spec),
-    )
-
-
-def sim_transport(spec: RunSpec) -> Transport | None:
-    """The in-process simulator's transport for `--backend sim`; None for real endpoints."""
-    return SimTransport(SimModel(sim_config(spec))) if spec.backend == "sim" else None
-
-
-def metrics_reader(spec: RunSpec, transport: Transport | None = None) -> MetricsReader | None:
-    """Where `--concurrency auto` reads the server's running/waiting counts, unless off."""
-    if not spec.adaptive or spec.server_metrics == "off":
-        return None
-    url = metrics_url(spec.base_url) if spec.server_metrics == "auto" else spec.server_metrics
-    key = checked_key(spec)
-    # The key goes only to the endpoint's own host (llama-server wants it on /metrics).
-    same_host = urlsplit(url).netloc == urlsplit(spec.base_url).netloc
-    headers = {"authorization": f"Bearer {key}"} if key and same_host else None
-    return MetricsReader(url, headers=headers, transport=transport)
-
-
-def checked_key(spec: RunSpec) -> str | None:
-    """The API key, refused early if it cannot be a header value (a stray newline from a
-    secrets file would otherwise be echoed back by the HTTP library in an error)."""
-    key = spec.api_key()
-    if key is not None and not (key.isascii() and key.isprintable() and " " not in key):
-        raise UsageError(
-            f"the API key in ${spec.api_key_env} has whitespace, control or non-ASCII "
-            "characters (a trailing newline?); fix the variable"
-        )
-    return key
 
 
 async def pick_model(backend: Backend, spec: RunSpec, policy: RetryPolicy) -> RunSpec:
@@ -271,10 +180,11 @@ async def run_job(
     name: str,
     spec: RunSpec,
     *,
-    quiet: bool,
     transport: Transport | None = None,
     settings: RunnerSettings | None = None,
     handle_signals: bool = True,
+    on_progress: Callable[[ProgressUpdate], None] | None = None,
+    on_message: Callable[[str], None] | None = None,
 ) -> RunStats:
     """Run every item that is not final yet. Ctrl-C/SIGTERM stop it gracefully."""
     rules = output_rules(spec)
@@ -300,8 +210,10 @@ async def run_job(
             total=sum(counts.values()),
             initial=done_before,
             concurrency=spec.most_in_flight,  # the runner shows its own limit
-            quiet=quiet,
+            on_progress=on_progress,
+            on_message=on_message,
         )
+        progress.update(newly_done=0, tokens=0, retries=0, failed=0)  # where it starts
         runner = Runner(
             ledger,
             backend,
@@ -321,8 +233,6 @@ async def run_job(
                 tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             raise _single_error(group) from None
-        finally:
-            progress.close()
         return stats
     finally:
         log.close()
@@ -375,41 +285,3 @@ def finish(ledger: Ledger, home: Home, name: str, spec: RunSpec) -> tuple[dict[s
 
 def export(ledger: Ledger, path: Path, name: str, spec: RunSpec, fmt: str = "native") -> int:
     return write_results(path, ledger.iter_results(name), fmt=fmt, model=spec.model)
-
-
-def exit_code(counts: dict[str, int], stats: RunStats | None) -> int:
-    left = counts["pending"] + counts["running"]
-    if stats is not None and stats.aborted and left:
-        return EXIT_ABORTED
-    if stats is not None and stats.interrupted and left:
-        return EXIT_INTERRUPTED
-    if left:
-        return EXIT_SOME_FAILED
-    bad = counts["failed"] + counts["invalid"] + counts["rejected"]
-    return EXIT_SOME_FAILED if bad else EXIT_OK
-
-
-def summary_line(
-    name: str, counts: dict[str, int], stats: RunStats | None, output: Path | None
-) -> str:
-    parts = [f"job {name}:"] + [
-        f"{counts[s]} {s}" for s in (*FINAL_STATUSES, "pending") if counts[s] or s == "done"
-    ]
-    text = " ".join(parts[:2]) + (", " + ", ".join(parts[2:]) if len(parts) > 2 else "")
-    if stats is not None and stats.requests:
-        secs = max(stats.elapsed, 1e-9)
-        text += (
-            f" | {stats.requests} requests, {stats.retries} retries, {secs:.1f}s, "
-            f"{stats.recorded / secs:.1f} items/s, {stats.output_tokens / secs:,.0f} out tok/s"
-        )
-    if stats is not None and stats.repairs:
-        text += f" | {stats.repairs} repairs ({stats.repair_tokens:,} tokens)"
-    if stats is not None and stats.guided_refused:
-        text += f" | the server refused response_format, sent without it: {stats.guided_refused}"
-    if stats is not None and stats.aborted:
-        text += f" | ABORTED: {stats.aborted}"
-    elif stats is not None and stats.interrupted and counts["pending"]:
-        text += " | interrupted; run `batchrun resume " + name + "` to continue"
-    if output is not None:
-        text += f" | results: {output}"
-    return text

@@ -8,87 +8,126 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from batchrun.errors import OutputError
-
-FORMATS = ("native", "openai")
-
-
-def _loads(text: str | None) -> Any:
-    return orjson.loads(text) if text else None
+from batchrun.ledger.records import StoredItem
 
 
-def native_record(row: dict[str, Any]) -> dict[str, Any]:
-    usage = None
-    if row["prompt_tokens"] is not None or row["completion_tokens"] is not None:
-        usage = {
-            "prompt_tokens": row["prompt_tokens"],
-            "completion_tokens": row["completion_tokens"],
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One input line's outcome, as the results file's native line says it."""
+
+    id: str | None  # None for a rejected line: its `line` names it
+    line: int
+    status: str  # done | failed | invalid | rejected (or pending/running, mid-job)
+    output: str | None
+    parsed: Any  # the validated JSON output (with a schema)
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    latency_ms: int | None
+    ttft_ms: int | None
+    attempts: int
+    error: str | None
+    meta: Any  # the line's extra fields, handed back as given
+    repairs: int = 0  # follow-up requests that showed an invalid answer its error
+    repair_prompt_tokens: int = 0
+    repair_completion_tokens: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The results file's native line."""
+        usage = None
+        if self.prompt_tokens is not None or self.completion_tokens is not None:
+            usage = {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+            }
+        repairs = None
+        if self.repairs:  # what re-asking for a valid answer cost, when it had to
+            repairs = {
+                "requests": self.repairs,
+                "prompt_tokens": self.repair_prompt_tokens,
+                "completion_tokens": self.repair_completion_tokens,
+            }
+        return {
+            "id": self.id,
+            "line": self.line,
+            "status": self.status,
+            "output": self.output,
+            "parsed": self.parsed,
+            "finish_reason": self.finish_reason,
+            "usage": usage,
+            "latency_ms": self.latency_ms,
+            "ttft_ms": self.ttft_ms,
+            "attempts": self.attempts,
+            "repairs": repairs,
+            "error": self.error,
+            "meta": self.meta,
         }
-    return {
-        "id": _item_id(row),
-        "line": row["line"],
-        "status": row["status"],
-        "output": row["output"],
-        "parsed": _loads(row["parsed"]),
-        "finish_reason": row["finish_reason"],
-        "usage": usage,
-        "latency_ms": _round(row["latency_ms"]),
-        "ttft_ms": _round(row["ttft_ms"]),
-        "attempts": row["attempts"],
-        "repairs": _repairs(row),
-        "error": row["error"],
-        "meta": _loads(row["meta"]),
-    }
 
 
-def _item_id(row: dict[str, Any]) -> str | None:
+def result_of(item: StoredItem) -> Result:
+    return Result(
+        id=_item_id(item),
+        line=item.line,
+        status=item.status,
+        output=item.output,
+        parsed=item.parsed,
+        finish_reason=item.finish_reason,
+        prompt_tokens=item.prompt_tokens,
+        completion_tokens=item.completion_tokens,
+        latency_ms=_round(item.latency_ms),
+        ttft_ms=_round(item.ttft_ms),
+        attempts=item.attempts,
+        error=item.error,
+        meta=item.meta,
+        repairs=item.repairs,
+        repair_prompt_tokens=item.repair_prompt_tokens,
+        repair_completion_tokens=item.repair_completion_tokens,
+    )
+
+
+def native_record(item: StoredItem, model: str | None = None) -> dict[str, Any]:
+    return result_of(item).to_json()
+
+
+def _item_id(item: StoredItem) -> str | None:
     """A rejected line has no id: its own was unusable or taken by an earlier line, and any id
     made up for it (its line number, say) could be a real item's. Its `line` names it."""
-    return None if row["status"] == "rejected" else str(row["item_id"])
+    return None if item.status == "rejected" else item.item_id
 
 
-def _repairs(row: dict[str, Any]) -> dict[str, int] | None:
-    """What re-asking for a valid answer cost this item (None when it never had to)."""
-    if not row.get("repairs"):
-        return None
-    return {
-        "requests": row["repairs"],
-        "prompt_tokens": row["repair_prompt_tokens"],
-        "completion_tokens": row["repair_completion_tokens"],
-    }
-
-
-def openai_record(row: dict[str, Any], model: str | None) -> dict[str, Any]:
+def openai_record(item: StoredItem, model: str | None) -> dict[str, Any]:
     """The OpenAI Batch API output line: id, custom_id, response{status_code, request_id, body}."""
     # Unique per line even when two lines send the same request (same digest).
-    request_id = f"req_{row['line']}_{(row['digest'] or '')[:16] or 'rejected'}"
+    request_id = f"req_{item.line}_{(item.digest or '')[:16] or 'rejected'}"
     record: dict[str, Any] = {
         "id": f"batch_{request_id}",
-        "custom_id": _item_id(row),
+        "custom_id": _item_id(item),
         "response": None,
         "error": None,
     }
-    if row["status"] in ("done", "invalid"):
-        chat = row["endpoint"] == "chat"
-        choice: dict[str, Any] = {"index": 0, "finish_reason": row["finish_reason"]}
+    if item.status in ("done", "invalid"):
+        chat = item.endpoint == "chat"
+        choice: dict[str, Any] = {"index": 0, "finish_reason": item.finish_reason}
         if chat:
-            choice["message"] = {"role": "assistant", "content": row["output"]}
+            choice["message"] = {"role": "assistant", "content": item.output}
         else:
-            choice["text"] = row["output"]
-        prompt, completion = row["prompt_tokens"] or 0, row["completion_tokens"] or 0
+            choice["text"] = item.output
+        prompt, completion = item.prompt_tokens or 0, item.completion_tokens or 0
         record["response"] = {
             "status_code": 200,
             "request_id": request_id,
             "body": {
                 "id": request_id,
                 "object": "chat.completion" if chat else "text_completion",
-                "created": int(row["updated_at"]),  # when the answer was recorded
+                "created": int(item.updated_at),  # when the answer was recorded
                 "model": model,
                 "choices": [choice],
                 "usage": {
@@ -98,9 +137,24 @@ def openai_record(row: dict[str, Any], model: str | None) -> dict[str, Any]:
                 },
             },
         }
-    if row["status"] != "done":
-        record["error"] = {"code": row["status"], "message": row["error"] or row["status"]}
+    if item.status != "done":
+        record["error"] = {"code": item.status, "message": item.error or item.status}
     return record
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """A results file format: its file suffix and how one item becomes one line."""
+
+    suffix: str
+    record: Callable[[StoredItem, str | None], dict[str, Any]]  # (item, model) -> a JSON line
+
+
+# A new format is one entry here (and its record function above).
+FORMATS: dict[str, OutputFormat] = {
+    "native": OutputFormat(".jsonl", native_record),
+    "openai": OutputFormat(".jsonl", openai_record),  # the OpenAI Batch API's output file
+}
 
 
 def _round(value: float | None) -> int | None:
@@ -108,20 +162,20 @@ def _round(value: float | None) -> int | None:
 
 
 def write_results(
-    path: Path, rows: Iterable[dict[str, Any]], *, fmt: str = "native", model: str | None = None
+    path: Path, items: Iterable[StoredItem], *, fmt: str = "native", model: str | None = None
 ) -> int:
-    """Write every row to `path` atomically; returns the number of lines written."""
+    """Write every item to `path` atomically; returns the number of lines written."""
     if fmt not in FORMATS:
-        raise OutputError(f"unknown format {fmt!r}; choose native or openai")
+        raise OutputError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    record = FORMATS[fmt].record
     folder = path.parent
     tmp = folder / f".{path.name}.tmp-{os.getpid()}"
     count = 0
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tmp.open("wb") as f:
-            for row in rows:
-                record = native_record(row) if fmt == "native" else openai_record(row, model)
-                f.write(orjson.dumps(record) + b"\n")
+            for item in items:
+                f.write(orjson.dumps(record(item, model)) + b"\n")
                 count += 1
             f.flush()
             os.fsync(f.fileno())

@@ -1,4 +1,5 @@
-"""The progress bar (stderr, terminals only) and the job log (JSON lines, one per attempt/event).
+"""Progress updates for a caller (the CLI draws its bar from them) and the job log (JSON lines,
+one per attempt/event).
 
 The log answers "what happened to line 48,213 last night" without opening the ledger. Attempt
 lines are buffered and flushed with each group commit; job events are flushed at once.
@@ -6,14 +7,14 @@ lines are buffered and flushed with each group commit; job events are flushed at
 
 from __future__ import annotations
 
-import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
 import orjson
-from tqdm import tqdm
 
 from batchrun.errors import OutputError
 
@@ -109,37 +110,50 @@ class JobLog:
                 raise OutputError(f"cannot write the job log {self.path}: {exc.strerror}") from None
 
 
-class Progress:
-    """A tqdm bar with req/s, output tok/s, concurrency, retries and failures; or nothing."""
+@dataclass(frozen=True)
+class ProgressUpdate:
+    """Where a run stands, handed to `on_progress` after each group commit."""
 
-    def __init__(self, *, total: int, initial: int, concurrency: int, quiet: bool) -> None:
-        enabled = not quiet and sys.stderr.isatty()
-        self._bar = tqdm(
-            total=total,
-            initial=initial,
-            unit="req",
-            file=sys.stderr,
-            dynamic_ncols=True,
-            disable=not enabled,
-            smoothing=0.1,
-        )
-        self._started = time.monotonic()
+    done: int  # items with a final record, this run's and earlier runs' together
+    total: int
+    output_tokens: int  # this run's
+    retries: int  # this run's
+    failed: int  # failed or invalid, this run's
+    concurrency: int  # requests allowed in flight now
+    elapsed: float  # seconds since this run started
+
+
+class Progress:
+    """What a run reports as it goes, handed to callbacks: the library draws nothing (the CLI
+    makes a progress bar of the updates and prints the messages)."""
+
+    def __init__(
+        self,
+        *,
+        total: int,
+        initial: int,
+        concurrency: int,
+        on_progress: Callable[[ProgressUpdate], None] | None = None,
+        on_message: Callable[[str], None] | None = None,
+    ) -> None:
+        self.total = total
+        self.done = initial
         self.concurrency = concurrency
-        self._quiet = quiet
+        self._started = time.monotonic()
+        self._on_progress = on_progress
+        self._on_message = on_message
 
     def say(self, message: str) -> None:
-        """A line for the user on stderr (above the bar, if one is drawn); none when quiet."""
-        if not self._quiet:
-            tqdm.write(f"batchrun: {message}", file=sys.stderr)
+        """A line for the user (the first Ctrl-C's, say)."""
+        if self._on_message is not None:
+            self._on_message(message)
 
     def update(self, *, newly_done: int, tokens: int, retries: int, failed: int) -> None:
-        elapsed = max(1e-9, time.monotonic() - self._started)
-        self._bar.set_postfix_str(
-            f"{tokens / elapsed:,.0f} tok/s, conc {self.concurrency}, "
-            f"retries {retries}, failed {failed}",
-            refresh=False,
-        )
-        self._bar.update(newly_done)
-
-    def close(self) -> None:
-        self._bar.close()
+        self.done += newly_done
+        if self._on_progress is not None:
+            elapsed = time.monotonic() - self._started
+            self._on_progress(
+                ProgressUpdate(
+                    self.done, self.total, tokens, retries, failed, self.concurrency, elapsed
+                )
+            )

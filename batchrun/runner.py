@@ -21,7 +21,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
-import orjson
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from batchrun.backends import Backend
@@ -143,7 +142,7 @@ class Runner:
             self.job,
             self.owner,
             ttl=s.lease_ttl,
-            spec=orjson.dumps(self.spec.to_json()).decode(),
+            spec=self.spec.to_json(),
         )
         self.log.event(
             "run_started",
@@ -179,7 +178,7 @@ class Runner:
         back: int | None = None
         try:
             back = await self._db(
-                self.ledger.release, self.job, self.owner, limits=self._limits_json()
+                self.ledger.release, self.job, self.owner, limits=list(self._limit_log)
             )
         except LedgerError:
             if not quiet_errors:
@@ -229,7 +228,7 @@ class Runner:
                 self.job,
                 self.owner,
                 lease_ttl=self.settings.lease_ttl,
-                limits=self._limits_json(),
+                limits=list(self._limit_log),
             )
             if not held:  # we stalled past the lease and another runner took the job over
                 self._abort(JobBusy(f"another process took over job {self.job!r}"))
@@ -280,10 +279,6 @@ class Runner:
                 result = await self.sender.process(item)
                 if result is not None:
                     results.send_nowait(result)  # unbounded: never drops a finished result
-
-    def _limits_json(self) -> str | None:
-        """The adaptive limit's recent changes, for `status`; None when it never moved."""
-        return orjson.dumps(list(self._limit_log)).decode() if self._limit_log else None
 
     def _adjust(self, change: Change) -> None:
         """A reported move of the adaptive limit: to the progress bar, `status` and the log."""

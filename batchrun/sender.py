@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-import orjson
 
 from batchrun.backends import Backend, Completion, CompletionRequest
 from batchrun.errors import BadRequest, FatalError, RequestError
@@ -53,7 +52,7 @@ class Sender:
 
     async def process(self, item: ClaimedItem) -> ItemResult | None:
         """The item's final result; None when a fatal error stopped the job meanwhile."""
-        body = {**self.defaults, **orjson.loads(item.body)}
+        body = {**self.defaults, **item.body}
         plan = self.rules.plan(item.endpoint, body)
         summary = None if self.log.redact else input_summary(body)
         attempts = tries = 0

@@ -5,14 +5,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import orjson
-
 from batchrun.ledger import STATUSES, Job, Ledger, runner_alive
 from batchrun.run_state import LEASE_TTL
 
 
 def _state(job: Job, counts: dict[str, int], attempts: int) -> str:
-    if job.runner_owner and runner_alive(job.__dict__, time.time(), LEASE_TTL):
+    if job.runner_owner and runner_alive(job, time.time(), LEASE_TTL):
         return f"running (pid {job.runner_pid} on {job.runner_host})"
     if counts["pending"] or counts["running"]:
         return "stopped" if attempts else "not started"  # no request recorded for any item
@@ -32,7 +30,7 @@ def jobs_table(ledger: Ledger) -> list[dict[str, Any]]:
 def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
     counts = ledger.counts(job.name)
     stats = ledger.item_stats(job.name)
-    spec = orjson.loads(job.spec)
+    spec = job.spec
     return {
         "job": job.name,
         "state": _state(job, counts, stats["attempts"]),
@@ -43,7 +41,7 @@ def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
         "endpoint": {k: spec.get(k) for k in ("backend", "base_url", "model", "endpoint")},
         "concurrency": spec.get("concurrency"),
         "schema": spec.get("schema"),
-        "limit_history": orjson.loads(job.limit_history) if job.limit_history else [],
+        "limit_history": job.limit_history,
         "created_at": job.created_at,
         "finished_at": job.finished_at,
         "runner": {

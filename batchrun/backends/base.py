@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
 
 Transport = httpx.AsyncBaseTransport  # what tests and --backend sim inject instead of sockets
+
+# How a server takes its API key: a preset names one (config.Preset.auth). A new style is one
+# entry here.
+AUTH_STYLES: dict[str, Callable[[str], dict[str, str]]] = {
+    "bearer": lambda key: {"authorization": f"Bearer {key}"},  # OpenAI and most servers
+    "x-api-key": lambda key: {"x-api-key": key},  # Anthropic-style gateways
+    "none": lambda key: {},
+}
+
+
+def auth_headers(style: str, key: str | None) -> dict[str, str]:
+    """The headers that carry `key` in `style` (none without a key)."""
+    return AUTH_STYLES[style](key) if key else {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +75,8 @@ class Backend(Protocol):
     # Requests sent again at once, on a new connection, because the pooled one they went out
     # on had been closed by the server before any answer came (not attempts; see the log).
     stale_resends: int
+    # Whether streamed requests ask for usage (stream_options); False once a server refused it.
+    stream_options: bool
 
     async def complete(
         self, request: CompletionRequest, *, watch: Watch | None = None

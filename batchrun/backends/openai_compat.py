@@ -19,7 +19,7 @@ import orjson
 from batchrun import __version__
 from batchrun.backends.aiohttp_transport import AiohttpTransport
 from batchrun.backends.answers import StreamedAnswer, read_json
-from batchrun.backends.base import Completion, CompletionRequest, Watch
+from batchrun.backends.base import Completion, CompletionRequest, Watch, auth_headers
 from batchrun.backends.errors_http import error_for_status, rate_info
 from batchrun.backends.sse import SSEDecoder
 from batchrun.errors import (
@@ -42,6 +42,7 @@ class OpenAICompatBackend:
         base_url: str,
         *,
         api_key: str | None = None,
+        auth: str = "bearer",
         timeout: float = 120.0,
         stream: bool = True,
         stream_options: bool = True,
@@ -62,8 +63,7 @@ class OpenAICompatBackend:
         self._owns_transport = transport is None
         self._fresh_transport: httpx.AsyncBaseTransport | None = None  # see _fresh
         headers = {"content-type": "application/json", "user-agent": f"batchrun/{__version__}"}
-        if api_key:
-            headers["authorization"] = f"Bearer {api_key}"
+        headers.update(auth_headers(auth, api_key))
         self._headers = httpx.Headers(headers)
         # No read timeout: every request runs under fail_after(timeout), which a per-read
         # timer (restarted on each network read, one timer a streamed token) cannot beat.

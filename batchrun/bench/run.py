@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.backends import Transport
+from batchrun.backends.build import build_backend
 from batchrun.bench import plots, report
 from batchrun.bench.load import Cell, LoadPlan, sweep
 from batchrun.bench.metrics import knee, summarize
@@ -19,7 +20,6 @@ from batchrun.bench.selftest import client_bound, self_test
 from batchrun.bench.suite import Suite
 from batchrun.config import RunSpec, preset_for
 from batchrun.errors import UsageError
-from batchrun.jobs import build_backend
 
 
 @dataclass(frozen=True)

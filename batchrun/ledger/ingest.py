@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import Connection, select
 from sqlalchemy.exc import IntegrityError
 
-from batchrun.inputs import BadLine, InputItem
+from batchrun.ledger.records import BadLine, InputItem
 from batchrun.ledger.schema import items
 
 BATCH_ROWS = 5000

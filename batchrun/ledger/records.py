@@ -1,8 +1,29 @@
-"""Plain records the ledger hands out and takes in."""
+"""Plain records the ledger hands out and takes in, typed: callers never parse JSON columns."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+
+class InputItem(NamedTuple):
+    """One valid input line, ready to be stored and sent (a NamedTuple: cheap to build)."""
+
+    line: int
+    item_id: str
+    endpoint: str
+    body: bytes  # the line's own request fields, JSON as stored; job defaults come at send time
+    digest: str  # sha256 of the canonical request: job defaults + line fields, sorted keys
+    meta: bytes | None  # extra top-level fields, JSON, handed back in the output
+
+
+class BadLine(NamedTuple):
+    line: int
+    reason: str
+
+
+# The adaptive limit's recent moves: (epoch seconds, limit, reason).
+LimitMove = tuple[float, int, str]
 
 
 @dataclass(frozen=True)
@@ -10,7 +31,7 @@ class Job:
     name: str
     input_path: str
     input_digest: str
-    spec: str
+    spec: dict[str, Any]  # the run options it last ran with (never the API key)
     total: int
     created_at: float
     updated_at: float
@@ -19,7 +40,7 @@ class Job:
     runner_pid: int | None
     runner_host: str | None
     runner_heartbeat: float | None
-    limit_history: str | None = None
+    limit_history: list[LimitMove] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +48,7 @@ class ClaimedItem:
     line: int
     item_id: str
     endpoint: str
-    body: str
+    body: dict[str, Any]  # the line's own request fields
     digest: str
     attempts: int
 
@@ -50,6 +71,31 @@ class ItemResult:
     repairs: int = 0  # follow-up requests that showed an invalid answer its error
     repair_prompt_tokens: int = 0
     repair_completion_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StoredItem:
+    """One item as the ledger holds it, for results files and the Python API."""
+
+    line: int
+    item_id: str  # "" for a rejected line
+    endpoint: str
+    digest: str
+    meta: Any  # the line's extra fields, or None
+    status: str
+    attempts: int
+    latency_ms: float | None
+    ttft_ms: float | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    finish_reason: str | None
+    output: str | None
+    parsed: Any  # the validated JSON output (with a schema), or None
+    error: str | None
+    repairs: int
+    repair_prompt_tokens: int
+    repair_completion_tokens: int
+    updated_at: float
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,21 @@ from typing import Any
 from sqlalchemy import Connection, Engine, and_, bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from batchrun.errors import InputError, JobBusy, JobExists, LedgerError, UsageError
-from batchrun.inputs import BadLine, InputItem
+from batchrun.errors import EmptyInput, InputError, JobBusy, JobExists, LedgerError
 from batchrun.ledger.engine import WRITE_OPTION, make_engine
 from batchrun.ledger.ingest import Loader
 from batchrun.ledger.migrations import migrate
-from batchrun.ledger.records import ClaimedItem, IngestReport, ItemResult, Job
+from batchrun.ledger.records import (
+    BadLine,
+    ClaimedItem,
+    IngestReport,
+    InputItem,
+    ItemResult,
+    Job,
+    LimitMove,
+    StoredItem,
+)
+from batchrun.ledger.rows import STORED_COLUMNS, as_json, claimed_of, job_of, stored_of
 from batchrun.ledger.schema import STATUSES, items, jobs
 from batchrun.ledger.stats import item_stats
 
@@ -31,8 +40,6 @@ def _storage_errors(action: str) -> Iterator[None]:
     """Turn driver errors into one clear LedgerError (disk full, read-only, corrupt...)."""
     try:
         yield
-    except UsageError:
-        raise
     except SQLAlchemyError as exc:
         # The driver's own message only: SQLAlchemy's text would repeat the SQL and its
         # parameters, which hold prompts.
@@ -74,12 +81,12 @@ class Ledger:
     def get_job(self, name: str) -> Job | None:
         with self._read("reading a job") as conn:
             row = conn.execute(select(jobs).where(jobs.c.name == name)).mappings().first()
-        return Job(**row) if row else None
+        return job_of(row) if row else None
 
     def list_jobs(self) -> list[Job]:
         with self._read("listing jobs") as conn:
             rows = conn.execute(select(jobs).order_by(jobs.c.created_at)).mappings().all()
-        return [Job(**r) for r in rows]
+        return [job_of(r) for r in rows]
 
     def mark_finished(self, name: str, finished: bool) -> None:
         now = time.time()
@@ -96,7 +103,7 @@ class Ledger:
         *,
         input_path: str,
         input_digest: str | Callable[[], str],
-        spec: str,
+        spec: dict[str, Any],
         lines: Iterable[InputItem | BadLine],
         skip_invalid: bool,
     ) -> IngestReport:
@@ -114,7 +121,7 @@ class Ledger:
                 name=name,
                 input_path=input_path,
                 input_digest="",
-                spec=spec,
+                spec=as_json(spec),
                 total=0,
                 created_at=now,
                 updated_at=now,
@@ -133,7 +140,7 @@ class Ledger:
                 problems.sort()
                 raise InputError(problems, path=input_path)
             if accepted + rejected == 0:
-                raise UsageError(f"{input_path}: no items (the file is empty or only blank lines)")
+                raise EmptyInput(f"{input_path}: no items (the file is empty or only blank lines)")
             digest = input_digest() if callable(input_digest) else input_digest
             conn.execute(
                 update(jobs)
@@ -144,7 +151,9 @@ class Ledger:
 
     # --- the job's runner lock ---------------------------------------------------------------
 
-    def acquire(self, name: str, owner: str, *, ttl: float, spec: str | None = None) -> int:
+    def acquire(
+        self, name: str, owner: str, *, ttl: float, spec: dict[str, Any] | None = None
+    ) -> int:
         """Become the job's only runner; reclaim the leases a dead runner left behind.
 
         `spec` (this run's resolved spec) is stored in the same transaction, so a process that
@@ -163,7 +172,7 @@ class Ledger:
                 .one()
             )
             holder = job["runner_owner"]
-            if holder and holder != owner and runner_alive(job, now, ttl, host):
+            if holder and holder != owner and runner_alive(job_of(job), now, ttl, host):
                 raise JobBusy(
                     f"job {name!r} is being run by process {job['runner_pid']} on "
                     f"{job['runner_host']} (heartbeat {now - job['runner_heartbeat']:.0f}s ago); "
@@ -173,7 +182,7 @@ class Ledger:
                 update(jobs)
                 .where(jobs.c.name == name)
                 .values(
-                    **({"spec": spec} if spec is not None else {}),
+                    **({"spec": as_json(spec)} if spec is not None else {}),
                     runner_owner=owner,
                     runner_pid=os.getpid(),
                     runner_host=host,
@@ -189,12 +198,12 @@ class Ledger:
         return int(reclaimed)
 
     def heartbeat(
-        self, name: str, owner: str, *, lease_ttl: float, limits: str | None = None
+        self, name: str, owner: str, *, lease_ttl: float, limits: list[LimitMove] | None = None
     ) -> bool:
         """Prove the runner is alive and extend its leases (and note the adaptive limit's
         history, if given). False: another runner took over."""
         now = time.time()
-        extra = {"limit_history": limits} if limits is not None else {}
+        extra = {"limit_history": as_json(limits)} if limits else {}
         with self._write("renewing leases") as conn:
             held = conn.execute(
                 update(jobs)
@@ -210,10 +219,10 @@ class Ledger:
             )
         return True
 
-    def release(self, name: str, owner: str, *, limits: str | None = None) -> int:
+    def release(self, name: str, owner: str, *, limits: list[LimitMove] | None = None) -> int:
         """Give the job up: unfinished claims go back to pending. Returns how many."""
         now = time.time()
-        extra = {"limit_history": limits} if limits is not None else {}
+        extra = {"limit_history": as_json(limits)} if limits else {}
         with self._write("releasing the job") as conn:
             back = conn.execute(
                 update(items)
@@ -273,9 +282,7 @@ class Ledger:
         )
         with self._write("claiming items") as conn:
             rows = conn.execute(stmt).all()
-        claimed = [ClaimedItem(*row) for row in rows]
-        claimed.sort(key=lambda c: c.line)
-        return claimed
+        return sorted((claimed_of(row) for row in rows), key=lambda c: c.line)
 
     def record(self, name: str, owner: str, results: list[ItemResult]) -> int:
         """Commit a group of results in one transaction. Returns how many rows changed.
@@ -360,14 +367,14 @@ class Ledger:
             ).scalar()
         return int(total or 0)
 
-    def iter_results(self, name: str, batch: int = 2000) -> Iterator[dict[str, Any]]:
+    def iter_results(self, name: str, batch: int = 2000) -> Iterator[StoredItem]:
         """Every item of the job in input order, streamed in pages (constant memory)."""
         last = 0
         while True:
             with self._read("reading results") as conn:
                 rows = (
                     conn.execute(
-                        select(items)
+                        select(*STORED_COLUMNS)
                         .where(items.c.job == name, items.c.line > last)
                         .order_by(items.c.line)
                         .limit(batch)
@@ -377,7 +384,7 @@ class Ledger:
                 )
             if not rows:
                 return
-            yield from (dict(r) for r in rows)
+            yield from (stored_of(r) for r in rows)
             last = rows[-1]["line"]
 
     def item_stats(self, name: str) -> dict[str, Any]:
@@ -386,15 +393,15 @@ class Ledger:
             return item_stats(conn, name)
 
 
-def runner_alive(job: Any, now: float, ttl: float, host: str | None = None) -> bool:
+def runner_alive(job: Job, now: float, ttl: float, host: str | None = None) -> bool:
     """Is the job's recorded runner still alive? Dead when its heartbeat is older than `ttl`,
     or when it ran on this host and its process is gone."""
     host = host or socket.gethostname()
-    beat = job["runner_heartbeat"]
+    beat = job.runner_heartbeat
     if beat is None or now - beat > ttl:
         return False
-    if job["runner_host"] == host and job["runner_pid"]:
-        return _pid_alive(int(job["runner_pid"]))
+    if job.runner_host == host and job.runner_pid:
+        return _pid_alive(job.runner_pid)
     return True
 
 

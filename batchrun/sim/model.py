@@ -69,7 +69,7 @@ class SimConfig:
     tpot_ms: float = 0.0  # time per output token after the first
     min_output_tokens: int = 8
     max_output_tokens: int = 48
-    api_key: str | None = None  # when set, requests must carry `Authorization: Bearer <key>`
+    api_key: str | None = None  # when set: `Authorization: Bearer <key>` or `x-api-key: <key>`
     models: tuple[str, ...] = ("sim-1",)
     strict_models: bool = False  # when True, an unknown model gets 404 like vLLM does
     faults: dict[str, float] = field(default_factory=dict)  # kind -> probability, see faults.py
@@ -195,8 +195,9 @@ class SimModel:
     def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Reply:
         path = path.split("?", 1)[0].rstrip("/")
         if self.config.api_key is not None:
-            auth = headers.get("authorization", "")
-            if auth != f"Bearer {self.config.api_key}":
+            key = self.config.api_key
+            bearer = headers.get("authorization", "") == f"Bearer {key}"
+            if not bearer and headers.get("x-api-key", "") != key:
                 return _error(401, "invalid or missing API key", "authentication_error")
         if method == "GET" and path in ("/v1/models", "/models"):
             return _json_reply(

@@ -19,11 +19,6 @@ from tests.hostile.server import Behaviour, HostileServer
 from tests.hostile.test_stale_connections import chat
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def sse(*events: dict[str, Any] | bytes) -> bytes:
     """A stream's body: dicts as JSON `data:` events, bytes as written."""
     return b"".join(

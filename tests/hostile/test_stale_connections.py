@@ -24,11 +24,6 @@ JOB = 1500  # the job that met 2-4% of stale connections against llama-server (s
 CONCURRENCY = 8
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the server is plain asyncio, in the test's own event loop
-
-
 def chat(prompt: str) -> CompletionRequest:
     return CompletionRequest(
         "chat", {"model": "m", "messages": [{"role": "user", "content": prompt}]}

@@ -51,19 +51,22 @@ def test_import_direction(path: Path) -> None:
         assert not uses(names, "batchrun.ledger"), f"{where}: backends never import the ledger"
     if where.startswith("ledger/"):
         assert not uses(names, "batchrun.backends"), f"{where}: the ledger never imports backends"
-    if where not in ("cli.py", "__main__.py"):
+    if not where.startswith("cli") and where != "__main__.py":
         assert not uses(names, "batchrun.cli"), f"{where}: nothing imports cli"
+        assert not uses(names, "tqdm"), f"{where}: the library draws nothing; the CLI draws its bar"
+        assert not uses(names, "click"), f"{where}: only the CLI parses a command line"
 
 
 @pytest.mark.parametrize("path", modules(), ids=rel)
-def test_only_cli_calls_anyio_run(path: Path) -> None:
-    if rel(path).startswith("cli"):  # cli.py and the command modules it registers
+def test_only_entry_points_call_anyio_run(path: Path) -> None:
+    # the CLI's commands, and the Python API's sync verbs: everything else is async, called
+    if rel(path).startswith("cli") or rel(path) == "api.py":
         return
     tree = ast.parse(path.read_text(encoding="utf-8"))
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr == "run":
             assert not (isinstance(node.value, ast.Name) and node.value.id == "anyio"), (
-                f"{rel(path)} calls anyio.run; only cli.py may"
+                f"{rel(path)} calls anyio.run; only the CLI and api.py may"
             )
 
 
@@ -71,3 +74,42 @@ def test_modules_stay_small() -> None:
     for path in modules():
         lines = len(path.read_text(encoding="utf-8").splitlines())
         assert lines <= 420, f"{rel(path)} has {lines} lines; split it"
+
+
+def test_public_names_are_exactly_these() -> None:
+    """The API is what batchrun/__init__.py exports: adding a name is a decision, made here."""
+    import batchrun
+
+    assert sorted(batchrun.__all__) == sorted(
+        [
+            "BatchrunError",
+            "FatalError",
+            "InputError",
+            "JobReport",
+            "ProgressUpdate",
+            "Result",
+            "RunOptions",
+            "UsageError",
+            "__version__",
+            "export",
+            "list_jobs",
+            "results",
+            "resume",
+            "resume_async",
+            "retry",
+            "status",
+            "submit",
+            "submit_async",
+        ]
+    )
+    public = {name for name in vars(batchrun) if not name.startswith("_")}
+    modules = {name for name in public if type(getattr(batchrun, name)).__name__ == "module"}
+    assert public - modules == set(batchrun.__all__) - {"__version__"}
+
+
+def test_run_options_are_the_specs_fields() -> None:
+    """Every option a spec file or the CLI takes is a keyword of submit/resume, same name."""
+    from batchrun.api import RunOptions
+    from batchrun.config import SPEC_FIELDS
+
+    assert set(RunOptions.__annotations__) == set(SPEC_FIELDS)

@@ -34,11 +34,6 @@ KEY = "sk-test-SECRET-0123456789"
 Handler = Callable[[httpx.Request], httpx.Response]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def chat(content: str = "Say something", **extra: Any) -> CompletionRequest:
     return CompletionRequest(
         "chat", {"model": "sim-1", "messages": [{"role": "user", "content": content}], **extra}

@@ -9,11 +9,6 @@ from batchrun.doctor import diagnose, ready, render
 from batchrun.sim import SimConfig, SimModel, SimTransport
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def _checks(config: SimConfig, **spec: object) -> dict[str, tuple[bool | None, str]]:
     found = await diagnose(resolve({"base_url": "http://sim.test/v1", **spec}),
                            SimTransport(SimModel(config)))  # fmt: skip

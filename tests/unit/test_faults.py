@@ -44,11 +44,6 @@ EXPECTED_ERROR: dict[str, type[RequestError]] = {
 }
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def chat(content: str) -> CompletionRequest:
     return CompletionRequest(
         "chat", {"model": "sim-1", "messages": [{"role": "user", "content": content}]}

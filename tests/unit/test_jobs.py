@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from batchrun import jobs
+from batchrun.backends.build import checked_key, sim_config
 from batchrun.config import resolve
 from batchrun.errors import JobBusy, UsageError
 
@@ -29,7 +30,7 @@ def test_sim_options_are_checked_before_the_job_is_loaded(
 
 def test_good_sim_options_build_the_config() -> None:
     spec = resolve({"backend": "sim", "sim_options": {"ttft_ms": 5, "models": ["a", "b"]}})
-    config = jobs.sim_config(spec)
+    config = sim_config(spec)
     assert config.ttft_ms == 5 and config.models == ("a", "b")
 
 
@@ -48,10 +49,10 @@ def test_keys_that_cannot_be_a_header_are_refused(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("K", "sk-abc\n")
     spec = resolve({"backend": "custom", "base_url": "http://x/v1", "api_key_env": "K"})
     with pytest.raises(UsageError, match=r"\$K") as caught:
-        jobs.checked_key(spec)
+        checked_key(spec)
     assert "sk-abc" not in str(caught.value)
     monkeypatch.setenv("K", "sk-abc")
-    assert jobs.checked_key(spec) == "sk-abc"
+    assert checked_key(spec) == "sk-abc"
 
 
 def test_task_group_errors_are_unwrapped_to_the_batchrun_error() -> None:

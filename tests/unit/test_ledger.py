@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sqlite3
 import subprocess
@@ -12,13 +13,14 @@ from pathlib import Path
 import pytest
 from sqlalchemy import inspect, text
 
-from batchrun.errors import InputError, JobBusy, LedgerError, UsageError
+from batchrun.errors import EmptyInput, InputError, JobBusy, JobExists, LedgerError
 from batchrun.inputs import BadLine, InputItem
 from batchrun.ledger import ItemResult, Ledger
 from batchrun.ledger.engine import make_engine
 from batchrun.ledger.migrations import MIGRATIONS, current_version, migrate
 from batchrun.outputs import native_record, openai_record
 from batchrun.status import job_detail, jobs_table
+from tests.unit.test_runner import rows as stored_rows
 
 
 def item(line: int, item_id: str | None = None) -> InputItem:
@@ -42,7 +44,7 @@ def make_job(ledger: Ledger, n: int = 10, name: str = "j") -> None:
         name,
         input_path="in.jsonl",
         input_digest="abc",
-        spec="{}",
+        spec={},
         lines=[item(i) for i in range(1, n + 1)],
         skip_invalid=False,
     )
@@ -80,7 +82,7 @@ def test_bad_lines_refuse_the_whole_file(ledger: Ledger) -> None:
     lines = [item(1), BadLine(2, "invalid JSON"), item(3), BadLine(4, "no prompt")]
     with pytest.raises(InputError) as caught:
         ledger.create_job(
-            "j", input_path="x", input_digest="d", spec="{}", lines=lines, skip_invalid=False
+            "j", input_path="x", input_digest="d", spec={}, lines=lines, skip_invalid=False
         )
     assert caught.value.problems == [(2, "invalid JSON"), (4, "no prompt")]
     assert "line 2: invalid JSON" in str(caught.value)
@@ -91,7 +93,7 @@ def test_duplicate_ids_are_refused_with_both_line_numbers(ledger: Ledger) -> Non
     lines = [item(1, "a"), item(2, "b"), item(3, "a")]
     with pytest.raises(InputError) as caught:
         ledger.create_job(
-            "j", input_path="x", input_digest="d", spec="{}", lines=lines, skip_invalid=False
+            "j", input_path="x", input_digest="d", spec={}, lines=lines, skip_invalid=False
         )
     assert caught.value.problems == [(3, "duplicate id 'a' (first on line 1)")]
     assert ledger.get_job("j") is None
@@ -100,10 +102,10 @@ def test_duplicate_ids_are_refused_with_both_line_numbers(ledger: Ledger) -> Non
 def test_skip_invalid_records_rejected_lines(ledger: Ledger) -> None:
     lines = [item(1, "a"), BadLine(2, "invalid JSON"), item(3, "a"), item(4, "b")]
     report = ledger.create_job(
-        "j", input_path="x", input_digest="d", spec="{}", lines=lines, skip_invalid=True
+        "j", input_path="x", input_digest="d", spec={}, lines=lines, skip_invalid=True
     )
     assert (report.accepted, report.rejected) == (2, 2)
-    rows = {r["line"]: r for r in ledger.iter_results("j")}
+    rows = {r["line"]: r for r in stored_rows(ledger)}
     assert rows[2]["status"] == "rejected" and rows[2]["error"] == "invalid JSON"
     assert rows[3]["status"] == "rejected" and "duplicate id 'a'" in rows[3]["error"]
     assert [rows[n]["status"] for n in (1, 4)] == ["pending", "pending"]
@@ -113,7 +115,7 @@ def test_a_rejected_line_takes_no_id_that_a_real_item_could_have(ledger: Ledger)
     # Before: line 2's unusable id became "2", line 1's real id, twice in an export.
     lines = [item(1, "2"), BadLine(2, "'id' must be a string or an integer"), item(3, "b")]
     ledger.create_job(
-        "j", input_path="x", input_digest="d", spec="{}", lines=lines, skip_invalid=True
+        "j", input_path="x", input_digest="d", spec={}, lines=lines, skip_invalid=True
     )
     rows = list(ledger.iter_results("j"))
     custom_ids = [openai_record(row, None)["custom_id"] for row in rows]
@@ -122,9 +124,9 @@ def test_a_rejected_line_takes_no_id_that_a_real_item_could_have(ledger: Ledger)
 
 
 def test_empty_input_is_an_error_and_stores_nothing(ledger: Ledger) -> None:
-    with pytest.raises(UsageError, match="no items"):
+    with pytest.raises(EmptyInput, match="no items"):
         ledger.create_job(
-            "j", input_path="x", input_digest="d", spec="{}", lines=[], skip_invalid=False
+            "j", input_path="x", input_digest="d", spec={}, lines=[], skip_invalid=False
         )
     assert ledger.get_job("j") is None
 
@@ -141,7 +143,7 @@ def test_digest_may_be_computed_after_the_lines_are_read(ledger: Ledger) -> None
         "j",
         input_path="x",
         input_digest=lambda: f"after-{len(seen)}",
-        spec="{}",
+        spec={},
         lines=lines(),
         skip_invalid=False,
     )
@@ -175,7 +177,7 @@ def test_record_completes_items_and_counts_attempts(ledger: Ledger) -> None:
         ],
     )
     assert changed == 3
-    rows = {r["line"]: r for r in ledger.iter_results("j")}
+    rows = {r["line"]: r for r in stored_rows(ledger)}
     assert (rows[1]["status"], rows[1]["output"], rows[1]["attempts"]) == ("done", "one", 1)
     assert (rows[2]["status"], rows[2]["attempts"], rows[2]["error"]) == ("failed", 5, "HTTP 500")
     assert rows[3]["status"] == "invalid"
@@ -189,7 +191,7 @@ def test_late_duplicate_result_changes_nothing(ledger: Ledger) -> None:
     assert ledger.record("j", "me", [done(1, "first")]) == 1
     assert ledger.record("j", "me", [done(1, "second")]) == 0  # already final
     assert ledger.record("j", "other", [done(2, "not mine")]) == 0  # not our lease
-    rows = {r["line"]: r for r in ledger.iter_results("j")}
+    rows = {r["line"]: r for r in stored_rows(ledger)}
     assert rows[1]["output"] == "first" and rows[1]["attempts"] == 1
     assert rows[2]["status"] == "running"
 
@@ -239,13 +241,18 @@ def test_stale_heartbeat_lets_a_new_runner_in(ledger: Ledger) -> None:
     assert ledger.acquire("j", "new", ttl=60) == 2
 
 
+def leases(ledger: Ledger) -> list[float]:
+    with ledger.engine.begin() as conn:
+        return [t for (t,) in conn.execute(text("SELECT lease_expires FROM items ORDER BY line"))]
+
+
 def test_heartbeat_extends_leases(ledger: Ledger) -> None:
     make_job(ledger, 2)
     ledger.acquire("j", "me", ttl=60)
     ledger.claim("j", "me", 2, lease_ttl=1)
-    before = [r["lease_expires"] for r in ledger.iter_results("j")]
+    before = leases(ledger)
     ledger.heartbeat("j", "me", lease_ttl=120)
-    after = [r["lease_expires"] for r in ledger.iter_results("j")]
+    after = leases(ledger)
     assert all(a > b + 100 for a, b in zip(after, before, strict=True))
 
 
@@ -268,13 +275,13 @@ def test_requeue_puts_failed_and_invalid_back(ledger: Ledger) -> None:
     assert (counts["done"], counts["pending"]) == (1, 2)
     job = ledger.get_job("j")
     assert job is not None and job.finished_at is None
-    rows = {r["line"]: r for r in ledger.iter_results("j")}
+    rows = {r["line"]: r for r in stored_rows(ledger)}
     assert rows[2]["error"] is None and rows[2]["attempts"] == 5  # history of attempts kept
 
 
 def test_iter_results_pages_in_input_order(ledger: Ledger) -> None:
     make_job(ledger, 45)
-    lines = [r["line"] for r in ledger.iter_results("j", batch=7)]
+    lines = [r.line for r in ledger.iter_results("j", batch=7)]
     assert lines == list(range(1, 46))
 
 
@@ -318,7 +325,7 @@ def test_ledger_survives_reopen(tmp_path: Path) -> None:
 
 def test_creating_an_existing_job_is_a_usage_error(ledger: Ledger) -> None:
     make_job(ledger, 2)
-    with pytest.raises(UsageError, match="already exists"):
+    with pytest.raises(JobExists, match="already exists"):
         make_job(ledger, 2)
     assert ledger.counts("j")["pending"] == 2
 
@@ -358,14 +365,16 @@ def test_heartbeat_reports_a_lost_job_lock(ledger: Ledger) -> None:
 
 
 def test_runner_alive_rules() -> None:
+    from batchrun.ledger import Job
     from batchrun.ledger.store import runner_alive
 
     now = time.time()
-    me = {"runner_heartbeat": now, "runner_host": "h", "runner_pid": os.getpid()}
+    me = Job("j", "x", "d", {}, 1, now, now, None, "me", os.getpid(), "h", now)
     assert runner_alive(me, now, 60, "h")
-    assert not runner_alive({**me, "runner_heartbeat": now - 61}, now, 60, "h")
-    assert not runner_alive({**me, "runner_heartbeat": None}, now, 60, "h")
-    assert runner_alive({**me, "runner_host": "elsewhere", "runner_pid": 999999}, now, 60, "h")
+    assert not runner_alive(dataclasses.replace(me, runner_heartbeat=now - 61), now, 60, "h")
+    assert not runner_alive(dataclasses.replace(me, runner_heartbeat=None), now, 60, "h")
+    elsewhere = dataclasses.replace(me, runner_host="elsewhere", runner_pid=999999)
+    assert runner_alive(elsewhere, now, 60, "h")
 
 
 def test_a_runner_that_was_taken_over_claims_nothing(ledger: Ledger) -> None:
@@ -416,9 +425,9 @@ def test_migrations_bring_an_older_ledger_up_to_date(tmp_path: Path) -> None:
     assert migrate(engine) == 0
     ledger = Ledger(f"sqlite:///{db}")
     job = ledger.get_job("old")
-    assert job is not None and job.limit_history is None
+    assert job is not None and job.limit_history == []
     (row,) = ledger.iter_results("old")
-    assert (row["repairs"], row["repair_prompt_tokens"], row["repair_completion_tokens"]) == (
+    assert (row.repairs, row.repair_prompt_tokens, row.repair_completion_tokens) == (
         0,
         0,
         0,

@@ -10,12 +10,13 @@ import orjson
 import pytest
 
 from batchrun.errors import OutputError
+from batchrun.ledger.records import StoredItem
 from batchrun.outputs import write_results
 
 DIGEST = "ab" * 32
 
 
-def make_row(**overrides: Any) -> dict[str, Any]:
+def make_row(**overrides: Any) -> StoredItem:
     row: dict[str, Any] = {
         "item_id": "a1",
         "line": 1,
@@ -35,7 +36,12 @@ def make_row(**overrides: Any) -> dict[str, Any]:
         "updated_at": 1796000000.25,
     }
     row.update(overrides)
-    return row
+    for column in ("parsed", "meta"):  # given as stored (JSON text), handed out parsed
+        if isinstance(row[column], str):
+            row[column] = orjson.loads(row[column])
+    return StoredItem(
+        **{"repairs": 0, "repair_prompt_tokens": 0, "repair_completion_tokens": 0, **row}
+    )
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -343,9 +349,8 @@ def test_failure_midway_with_no_previous_file_leaves_nothing(tmp_path: Path) -> 
 def test_bad_row_midway_leaves_the_old_file_untouched(tmp_path: Path) -> None:
     path = tmp_path / "job.jsonl"
     path.write_bytes(b"previous\n")
-    broken = make_row()
-    del broken["status"]
-    with pytest.raises(KeyError):
+    broken = make_row(meta=object())  # a value no JSON can hold
+    with pytest.raises(TypeError):
         write_results(path, [make_row(), broken])
     assert path.read_bytes() == b"previous\n"
     assert folder_names(tmp_path) == ["job.jsonl"]

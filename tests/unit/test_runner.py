@@ -12,9 +12,13 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from sqlalchemy import text
 
 from batchrun import jobs, progress
+from batchrun.api import JobReport
 from batchrun.backends import OpenAICompatBackend
+from batchrun.cli_errors import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_SOME_FAILED
+from batchrun.cli_report import exit_code
 from batchrun.config import resolve
 from batchrun.jobs import Home
 from batchrun.ledger import Ledger
@@ -22,29 +26,9 @@ from batchrun.progress import JobLog
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.runner import Runner
 from batchrun.sim import SimModel, SimTransport, prompt_tag
+from tests.fakes import FakeTime
 
 Handler = Callable[[httpx.Request, int], httpx.Response | None]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-class FakeTime:
-    """A clock that only moves when the retry policy 'sleeps'."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self.slept: list[float] = []
-
-    def clock(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds
-        await anyio.lowlevel.checkpoint()
 
 
 class ScriptedTransport(httpx.AsyncBaseTransport):
@@ -94,7 +78,6 @@ async def run(
         home,
         "j",
         spec,
-        quiet=True,
         transport=transport or SimTransport(SimModel()),
         settings=settings,
         handle_signals=False,
@@ -102,8 +85,16 @@ async def run(
     return ledger, stats, prompts
 
 
-def rows(ledger: Ledger) -> list[dict[str, Any]]:
-    return list(ledger.iter_results("j"))
+def report(counts: dict[str, int], stats: RunStats | None = None) -> JobReport:
+    """What the API would hand the CLI after this run (for its exit code and summary)."""
+    return JobReport("j", counts, False, None, stats=stats or RunStats())
+
+
+def rows(ledger: Ledger, job: str = "j") -> list[dict[str, Any]]:
+    """The job's item rows as stored: every column, JSON columns as their text."""
+    query = text("SELECT * FROM items WHERE job = :job ORDER BY line")
+    with ledger.engine.begin() as conn:
+        return [dict(row) for row in conn.execute(query, {"job": job}).mappings()]
 
 
 @pytest.mark.anyio
@@ -126,7 +117,7 @@ async def test_transient_errors_are_retried_until_done(tmp_path: Path) -> None:
     ledger, stats, _ = await run(tmp_path, 10, ScriptedTransport(flaky), fake)
     assert [r["status"] for r in rows(ledger)] == ["done"] * 10
     assert [r["attempts"] for r in rows(ledger)] == [3] * 10
-    assert stats.retries == 20 and len(fake.slept) == 20
+    assert stats.retries == 20 and len(fake.sleeps) == 20
 
 
 @pytest.mark.anyio
@@ -136,7 +127,7 @@ async def test_retry_after_is_honoured(tmp_path: Path) -> None:
 
     fake = FakeTime()
     ledger, _stats, _ = await run(tmp_path, 3, ScriptedTransport(limited), fake)
-    assert fake.slept == [7.0, 7.0, 7.0]
+    assert fake.sleeps == [7.0, 7.0, 7.0]
     assert all(r["status"] == "done" for r in rows(ledger))
 
 
@@ -175,7 +166,7 @@ async def test_auth_failure_aborts_and_leaves_items_pending(tmp_path: Path) -> N
     assert stats.aborted is not None and "401" in stats.aborted
     counts = ledger.counts("j")
     assert counts["pending"] == 20 and counts["failed"] == 0 and counts["running"] == 0
-    assert jobs.exit_code(counts, stats) == jobs.EXIT_ABORTED
+    assert exit_code(report(counts, stats)) == EXIT_ABORTED
 
 
 @pytest.mark.anyio
@@ -202,7 +193,7 @@ async def test_schema_marks_non_json_output_invalid(tmp_path: Path) -> None:
     result = rows(ledger)
     assert [r["status"] for r in result] == ["invalid"] * 3
     assert all("no JSON" in r["error"] for r in result)
-    assert jobs.exit_code(ledger.counts("j"), None) == jobs.EXIT_SOME_FAILED
+    assert exit_code(report(ledger.counts("j"))) == EXIT_SOME_FAILED
 
 
 @pytest.mark.anyio
@@ -246,7 +237,7 @@ async def test_stop_request_commits_finished_work_and_releases_the_rest(tmp_path
     counts = ledger.counts("j")
     assert stats.interrupted
     assert counts["done"] == 5 and counts["running"] == 0 and counts["pending"] == 35
-    assert jobs.exit_code(counts, stats) == jobs.EXIT_INTERRUPTED
+    assert exit_code(report(counts, stats)) == EXIT_INTERRUPTED
 
 
 @pytest.mark.anyio
@@ -260,7 +251,7 @@ async def test_one_poison_item_behind_a_504_fails_and_the_rest_complete(tmp_path
     statuses = [r["status"] for r in rows(ledger)]
     assert statuses == ["done"] * 3 + ["failed"] + ["done"] * 4
     assert stats.aborted is None
-    assert jobs.exit_code(ledger.counts("j"), stats) == jobs.EXIT_SOME_FAILED
+    assert exit_code(report(ledger.counts("j"), stats)) == EXIT_SOME_FAILED
 
 
 def test_log_times_are_utc_to_the_millisecond_and_follow_the_clock() -> None:

@@ -107,11 +107,6 @@ llamacpp:n_busy_slots_per_decode 3.5
 """
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def post_chat(client: httpx.AsyncClient, content: str) -> None:
     body = {"model": "sim-1", "messages": [{"role": "user", "content": content}]}
     response = await client.post("http://sim.test/v1/chat/completions", json=body)

@@ -15,11 +15,6 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def chat_body(content: str, **extra: Any) -> dict[str, Any]:
     return {"model": "sim-1", "messages": [{"role": "user", "content": content}], **extra}
 

@@ -16,6 +16,7 @@ import pytest
 
 from batchrun import jobs
 from batchrun.backends.base import Completion
+from batchrun.cli_report import summary_line
 from batchrun.errors import InputError
 from batchrun.jobs import Home
 from batchrun.ledger import Ledger
@@ -24,7 +25,8 @@ from batchrun.sim.json_answers import instance, json_text
 from batchrun.status import job_detail, render_detail
 from batchrun.structured import Outcome, OutputRules
 from batchrun.validate import SchemaCheck, extract_json
-from tests.unit.test_runner import FakeTime, rows, run
+from tests.fakes import FakeTime
+from tests.unit.test_runner import report, rows, run
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -36,11 +38,6 @@ SCHEMA: dict[str, Any] = {
     "required": ["name", "score", "tags"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 class Recording(httpx.AsyncBaseTransport):
@@ -189,7 +186,7 @@ async def test_a_repair_fixes_broken_and_violating_answers_and_its_cost_is_count
     assert stats.repair_tokens == sum(
         r["repair_prompt_tokens"] + r["repair_completion_tokens"] for r in result
     )
-    assert "5 repairs" in jobs.summary_line("j", ledger.counts("j"), stats, None)
+    assert "5 repairs" in summary_line(report(ledger.counts("j"), stats))
 
 
 @pytest.mark.anyio
@@ -238,7 +235,7 @@ async def test_a_server_refusing_response_format_gets_unguided_requests_said_onc
     assert guided[0] == 0 and len(guided) <= 2 and guided[-1] <= 2
     log = (tmp_path / "logs" / "j.log").read_text().splitlines()
     assert sum(json.loads(x)["event"] == "guided_refused" for x in log) == 1
-    line = jobs.summary_line("j", ledger.counts("j"), stats, None)
+    line = summary_line(report(ledger.counts("j"), stats))
     assert "refused response_format" in line
 
 
@@ -380,11 +377,11 @@ async def test_each_line_is_validated_against_its_own_schema(tmp_path: Path) -> 
 
     fake = FakeTime()
     await jobs.run_job(
-        ledger, Home.at(tmp_path, None), "j", jobs.job_spec(job), quiet=True,
+        ledger, Home.at(tmp_path, None), "j", jobs.job_spec(job),
         transport=transport, settings=RunnerSettings(sleep=fake.sleep, clock=fake.clock),
         handle_signals=False,
     )  # fmt: skip
-    result = {r["item_id"]: r for r in ledger.iter_results("j")}
+    result = {r["item_id"]: r for r in rows(ledger)}
     assert result["a"]["status"] == "done" and valid(json.loads(result["a"]["parsed"]))
     assert result["b"]["status"] == "done" and "city" in json.loads(result["b"]["parsed"])
     assert result["c"]["status"] == "done" and result["c"]["parsed"] is None
@@ -466,11 +463,11 @@ async def test_one_lines_refused_schema_leaves_the_others_guided(tmp_path: Path)
 
     fake = FakeTime()
     stats = await jobs.run_job(
-        ledger, Home.at(tmp_path, None), "j", jobs.job_spec(job), quiet=True,
+        ledger, Home.at(tmp_path, None), "j", jobs.job_spec(job),
         transport=transport, settings=RunnerSettings(sleep=fake.sleep, clock=fake.clock),
         handle_signals=False,
     )  # fmt: skip
-    result = {r["item_id"]: r for r in ledger.iter_results("j")}
+    result = {r["item_id"]: r for r in rows(ledger)}
     # unguided, the simulated model answers with the job's schema, not the odd one
     assert result["odd"]["status"] == "invalid" and "'x'" in result["odd"]["error"]
     assert all(result[f"n{i}"]["status"] == "done" for i in range(4))
@@ -481,6 +478,6 @@ async def test_one_lines_refused_schema_leaves_the_others_guided(tmp_path: Path)
 
 def test_a_schema_field_that_is_not_an_object_stays_meta(tmp_path: Path) -> None:
     ledger = _job_from_lines(tmp_path, [{"prompt": "p", "schema": "v2"}])
-    (row,) = ledger.iter_results("j")
+    (row,) = rows(ledger)
     assert json.loads(row["meta"]) == {"schema": "v2"}
     assert "response_format" not in json.loads(row["body"])

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from batchrun import jobs
+from batchrun.backends.build import metrics_reader
 from batchrun.config import resolve
 from batchrun.controller import ConcurrencyController
 from batchrun.errors import (
@@ -27,11 +28,6 @@ from batchrun.limiter import Pacer
 from batchrun.run_state import RunnerSettings
 from batchrun.sim import SimConfig, SimModel, SimTransport
 from batchrun.throttle import Throttle, failure_kind
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 async def hold(throttle: Throttle, release: anyio.Event, seen: list[Any], ttft: float) -> None:
@@ -127,7 +123,7 @@ async def run_sim(
     spec = resolve({"backend": "sim", **options})
     jobs.create_job(ledger, "j", path, spec)
     stats = await jobs.run_job(
-        ledger, home, "j", spec, quiet=True,
+        ledger, home, "j", spec,
         transport=SimTransport(SimModel(config)),
         settings=RunnerSettings(drain_timeout=0.0), handle_signals=False,
     )  # fmt: skip
@@ -176,7 +172,7 @@ async def test_server_metrics_off_is_not_read(tmp_path: Path) -> None:
     jobs.create_job(ledger, "j", path, spec)
     with anyio.fail_after(30):
         await jobs.run_job(
-            ledger, home, "j", spec, quiet=True, transport=Counting(SimModel(config)),
+            ledger, home, "j", spec, transport=Counting(SimModel(config)),
             settings=RunnerSettings(drain_timeout=0.0), handle_signals=False,
         )  # fmt: skip
     assert "/metrics" not in reads and len(reads) >= 20
@@ -188,15 +184,15 @@ async def test_the_key_goes_to_a_metrics_url_only_on_the_endpoints_own_host(
 ) -> None:
     monkeypatch.setenv("SECRET_KEY_VAR", "sk-test-1234567890")
     base = {"base_url": "http://127.0.0.1:9/v1", "api_key_env": "SECRET_KEY_VAR"}
-    own = jobs.metrics_reader(resolve(base))
-    other = jobs.metrics_reader(
+    own = metrics_reader(resolve(base))
+    other = metrics_reader(
         resolve({**base, "server_metrics": "http://metrics.batchrun.invalid/metrics"})
     )
     assert own is not None and other is not None
     assert own.url == "http://127.0.0.1:9/metrics"
     assert own._client.headers["authorization"] == "Bearer sk-test-1234567890"
     assert "authorization" not in other._client.headers  # never to another host
-    assert jobs.metrics_reader(resolve({**base, "server_metrics": "off"})) is None
-    assert jobs.metrics_reader(resolve({**base, "concurrency": 8})) is None  # fixed: not read
+    assert metrics_reader(resolve({**base, "server_metrics": "off"})) is None
+    assert metrics_reader(resolve({**base, "concurrency": 8})) is None  # fixed: not read
     await own.aclose()
     await other.aclose()

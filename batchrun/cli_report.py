@@ -1,0 +1,100 @@
+"""What the CLI makes of a job's report: its exit code, its summary line, and a progress bar
+drawn from the library's progress updates."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from tqdm import tqdm
+
+from batchrun.api import JobReport
+from batchrun.cli_errors import (
+    EXIT_ABORTED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_SOME_FAILED,
+    printable,
+    say,
+)
+from batchrun.ledger import FINAL_STATUSES
+from batchrun.progress import ProgressUpdate
+
+
+def exit_code(report: JobReport) -> int:
+    counts, stats = report.counts, report.stats
+    left = counts["pending"] + counts["running"]
+    if stats.aborted and left:
+        return EXIT_ABORTED
+    if stats.interrupted and left:
+        return EXIT_INTERRUPTED
+    if left:
+        return EXIT_SOME_FAILED
+    bad = counts["failed"] + counts["invalid"] + counts["rejected"]
+    return EXIT_SOME_FAILED if bad else EXIT_OK
+
+
+def summary_line(report: JobReport) -> str:
+    name, counts, stats = report.job, report.counts, report.stats
+    parts = [f"job {name}:"] + [
+        f"{counts[s]} {s}" for s in (*FINAL_STATUSES, "pending") if counts[s] or s == "done"
+    ]
+    text = " ".join(parts[:2]) + (", " + ", ".join(parts[2:]) if len(parts) > 2 else "")
+    if stats.requests:
+        secs = max(stats.elapsed, 1e-9)
+        text += (
+            f" | {stats.requests} requests, {stats.retries} retries, {secs:.1f}s, "
+            f"{stats.recorded / secs:.1f} items/s, {stats.output_tokens / secs:,.0f} out tok/s"
+        )
+    if stats.repairs:
+        text += f" | {stats.repairs} repairs ({stats.repair_tokens:,} tokens)"
+    if stats.guided_refused:
+        text += f" | the server refused response_format, sent without it: {stats.guided_refused}"
+    if stats.aborted:
+        text += f" | ABORTED: {stats.aborted}"
+    elif stats.interrupted and counts["pending"]:
+        text += " | interrupted; run `batchrun resume " + name + "` to continue"
+    if report.output is not None:
+        text += f" | results: {report.output}"
+    return text
+
+
+class ProgressBar:
+    """A tqdm bar on stderr (terminals only, and not with --quiet): req/s, output tok/s,
+    concurrency, retries and failures."""
+
+    def __init__(self, *, quiet: bool) -> None:
+        self._enabled = not quiet and sys.stderr.isatty()
+        self._bar: tqdm[Any] | None = None
+
+    def __call__(self, update: ProgressUpdate) -> None:
+        if not self._enabled:
+            return
+        bar = self._bar
+        if bar is None:
+            bar = self._bar = tqdm(
+                total=update.total,
+                initial=update.done,
+                unit="req",
+                file=sys.stderr,
+                dynamic_ncols=True,
+                smoothing=0.1,
+            )
+        bar.set_postfix_str(
+            f"{update.output_tokens / max(update.elapsed, 1e-9):,.0f} tok/s, "
+            f"conc {update.concurrency}, retries {update.retries}, failed {update.failed}",
+            refresh=False,
+        )
+        bar.update(update.done - bar.n)
+
+    def say(self, message: str) -> None:
+        """A line above the bar (or alone, when none is drawn)."""
+        if self._bar is None:
+            say(message)
+        else:
+            tqdm.write(f"batchrun: {printable(message)}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

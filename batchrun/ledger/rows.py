@@ -1,0 +1,43 @@
+"""Rows to records: the JSON columns parsed once here, so callers get typed values."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import orjson
+from sqlalchemy import Row, RowMapping
+
+from batchrun.ledger.records import ClaimedItem, Job, StoredItem
+from batchrun.ledger.schema import items
+
+
+def as_json(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+def job_of(row: RowMapping) -> Job:
+    """A jobs row with its JSON columns parsed."""
+    history = row["limit_history"]
+    moves = [(t, limit, reason) for t, limit, reason in orjson.loads(history)] if history else []
+    return Job(**{**row, "spec": orjson.loads(row["spec"]), "limit_history": moves})
+
+
+STORED_COLUMNS = [items.c[f.name] for f in fields(StoredItem)]
+
+
+def stored_of(row: RowMapping) -> StoredItem:
+    meta, parsed = row["meta"], row["parsed"]
+    return StoredItem(
+        **{
+            **row,
+            "meta": orjson.loads(meta) if meta else None,
+            "parsed": orjson.loads(parsed) if parsed else None,
+        }
+    )
+
+
+def claimed_of(row: Row[Any]) -> ClaimedItem:
+    """A claimed row (line, item_id, endpoint, body, digest, attempts), its body parsed."""
+    line, item_id, endpoint, body, digest, attempts = tuple(row)
+    return ClaimedItem(line, item_id, endpoint, orjson.loads(body), digest, attempts)

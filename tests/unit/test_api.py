@@ -1,0 +1,141 @@
+"""The Python API against the in-process simulator, and the CLI in-process as its client."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from click.testing import CliRunner
+
+import batchrun
+from batchrun.backends import CompletionRequest, OpenAICompatBackend
+from batchrun.cli import main
+from batchrun.errors import AuthFailed
+from batchrun.sim import SimConfig, SimModel, SimTransport
+
+SIM: dict[str, Any] = {"backend": "sim", "sim_options": {"ttft_ms": 0.0, "tpot_ms": 0.0}}
+
+
+def rows(n: int) -> list[dict[str, Any]]:
+    return [{"id": f"r{i}", "prompt": f"Say {i}.", "tag": i} for i in range(1, n + 1)]
+
+
+def test_submit_rows_runs_them_and_results_come_back_typed_in_order(tmp_path: Path) -> None:
+    report = batchrun.submit(rows(12), home=tmp_path, **SIM)
+    assert report.complete and report.ok and report.loaded == 12
+    assert report.counts["done"] == 12 and report.stats.requests == 12
+    assert report.output is not None and len(report.output.read_bytes().splitlines()) == 12
+    results = list(batchrun.results(report.job, home=tmp_path))
+    assert [r.id for r in results] == [f"r{i}" for i in range(1, 13)]
+    assert [r.line for r in results] == list(range(1, 13))
+    assert all(isinstance(r, batchrun.Result) and r.status == "done" and r.output for r in results)
+    assert [r.meta for r in results] == [{"tag": i} for i in range(1, 13)]
+    # the results file says the same, line by line
+    lines = [orjson.loads(x) for x in report.output.read_bytes().splitlines()]
+    assert lines == [r.to_json() for r in results]
+
+
+def test_the_same_rows_again_are_the_same_job_and_send_nothing(tmp_path: Path) -> None:
+    first = batchrun.submit(rows(5), home=tmp_path, **SIM)
+    said: list[str] = []
+    again = batchrun.submit(rows(5), home=tmp_path, on_message=said.append, **SIM)
+    assert again.job == first.job and again.loaded is None and again.stats.requests == 0
+    assert again.complete and any("nothing left to do" in m for m in said)
+    other = batchrun.submit(rows(6), home=tmp_path, **SIM)
+    assert other.job != first.job  # other content: another job
+
+
+def test_rows_under_a_taken_job_name_are_refused(tmp_path: Path) -> None:
+    batchrun.submit(rows(3), job="nightly", home=tmp_path, **SIM)
+    with pytest.raises(batchrun.UsageError, match="other rows"):
+        batchrun.submit(rows(4), job="nightly", home=tmp_path, **SIM)
+
+
+def test_load_without_running_then_resume_with_progress(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows(30)))
+    loaded = batchrun.submit(path, home=tmp_path, run=False)  # no endpoint needed yet
+    assert loaded.loaded == 30 and loaded.counts["pending"] == 30 and not loaded.complete
+    assert batchrun.status("in", home=tmp_path)["counts"]["pending"] == 30
+    updates: list[batchrun.ProgressUpdate] = []
+    report = batchrun.resume("in", home=tmp_path, on_progress=updates.append, **SIM)
+    assert report.ok and report.notes == ()
+    assert updates[0].done == 0 and updates[-1].done == updates[-1].total == 30
+    assert [u.done for u in updates] == sorted(u.done for u in updates)
+    assert [job["job"] for job in batchrun.list_jobs(home=tmp_path)] == ["in"]
+
+
+def test_export_writes_the_openai_batch_shape(tmp_path: Path) -> None:
+    report = batchrun.submit(rows(3), job="j", home=tmp_path, **SIM)
+    target = batchrun.export(report.job, fmt="openai", path=tmp_path / "b.jsonl", home=tmp_path)
+    records = [orjson.loads(x) for x in target.read_bytes().splitlines()]
+    assert [r["custom_id"] for r in records] == ["r1", "r2", "r3"]
+    assert all(r["response"]["status_code"] == 200 for r in records)
+
+
+def test_failed_items_are_retried_through_the_api(tmp_path: Path) -> None:
+    flaky = {"ttft_ms": 0.0, "tpot_ms": 0.0, "fault_seed": 3, "faults": {"500": 0.5}}
+    report = batchrun.submit(
+        rows(20), job="j", home=tmp_path, backend="sim", max_attempts=1, sim_options=flaky
+    )
+    failed = report.counts["failed"]
+    assert failed and not report.ok
+    assert batchrun.retry("j", home=tmp_path) == failed
+    again = batchrun.resume("j", home=tmp_path, max_attempts=5, **SIM)
+    assert again.ok
+
+
+def test_an_unknown_job_names_the_ones_there_are(tmp_path: Path) -> None:
+    batchrun.submit(rows(2), job="known", home=tmp_path, **SIM)
+    with pytest.raises(batchrun.UsageError, match="known"):
+        batchrun.resume("nope", home=tmp_path)
+
+
+@pytest.mark.anyio
+async def test_the_async_twins_run_in_the_callers_event_loop(tmp_path: Path) -> None:
+    report = await batchrun.submit_async(rows(4), job="a", home=tmp_path, run=False)
+    assert report.counts["pending"] == 4
+    done = await batchrun.resume_async("a", home=tmp_path, **SIM)
+    assert done.ok
+
+
+# --- the CLI, in-process, as a client of the API ------------------------------------------------
+
+
+def test_cli_submit_status_export_in_process(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows(8)))
+    cli = CliRunner()
+    home = ["--home", str(tmp_path)]
+    ran = cli.invoke(main, [*home, "submit", str(path), "--backend", "sim", "--quiet"])
+    assert ran.exit_code == 0, ran.output
+    assert "job in: 8 done" in ran.stderr and "results:" in ran.stderr
+    shown = cli.invoke(main, [*home, "status", "in", "--json"])
+    assert shown.exit_code == 0 and json.loads(shown.stdout)["counts"]["done"] == 8
+    wrote = cli.invoke(main, [*home, "export", "in", "--format", "openai"])
+    assert wrote.exit_code == 0 and "wrote 8 lines" in wrote.stderr
+    missing = cli.invoke(main, [*home, "resume", "nope"])
+    assert missing.exit_code == 2 and "no job named 'nope'" in missing.stderr
+
+
+# --- auth styles: a preset says how its key is sent --------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("auth", ["bearer", "x-api-key"])
+async def test_each_auth_style_reaches_a_server_that_checks_the_key(auth: str) -> None:
+    sim = SimTransport(SimModel(SimConfig(api_key="sk-test-123", ttft_ms=0, tpot_ms=0)))
+    good = OpenAICompatBackend("http://sim/v1", api_key="sk-test-123", auth=auth, transport=sim)
+    request = CompletionRequest(
+        "chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert (await good.complete(request)).text
+    wrong = OpenAICompatBackend("http://sim/v1", api_key="sk-wrong", auth=auth, transport=sim)
+    with pytest.raises(AuthFailed):
+        await wrong.complete(request)
+    none = OpenAICompatBackend("http://sim/v1", api_key="sk-test-123", auth="none", transport=sim)
+    with pytest.raises(AuthFailed):
+        await none.complete(request)
