@@ -140,7 +140,7 @@ def _endpoints(o: dict[str, Any]) -> list[Endpoint]:
     help="Folder for the overlaid charts [RUN_B/compare-<RUN_A name>].",
 )
 @errors_to_exit_codes
-def compare(run_a: Path, run_b: Path, output: Path | None) -> None:  # fmt: skip
+def compare(run_a: Path, run_b: Path, output: Path | None) -> None:
     """Two bench runs side by side: B / A for each class and level both have."""
     a, b = comparing.load(run_a), comparing.load(run_b)
     show(comparing.render(a["label"], b["label"], comparing.ratios(a, b)))

@@ -56,8 +56,14 @@ async def diagnose(spec: RunSpec, transport: Transport | None = None) -> list[Ch
             return checks
         model = spec.model or (models[0] if models else None)
         if spec.model and models and spec.model not in models:
-            checks.append(Check("model", False, f"{spec.model!r} is not among the listed "
-                                f"models: {', '.join(models[:10])}", essential=True))  # fmt: skip
+            checks.append(
+                Check(
+                    "model",
+                    False,
+                    f"{spec.model!r} is not among the listed models: {', '.join(models[:10])}",
+                    essential=True,
+                )
+            )
             return checks
         detail = model or "the server lists no models; give --model"
         checks.append(Check("model", model is not None, detail, essential=True))
@@ -81,8 +87,9 @@ async def _models(backend: Backend, spec: RunSpec, checks: list[Check]) -> list[
         checks.append(Check("API key", False, str(exc), essential=True))
         return None
     except NotFound:  # no model list here; chat may still work with --model
-        checks.append(Check("reachable", True, f"{spec.base_url} (no /models: 404)",
-                            essential=True))  # fmt: skip
+        checks.append(
+            Check("reachable", True, f"{spec.base_url} (no /models: 404)", essential=True)
+        )
         return []
     except RequestError as exc:
         checks.append(Check("reachable", False, f"GET /models: {exc}", essential=True))
@@ -102,9 +109,12 @@ async def _send(backend: Backend, endpoint: str, body: dict[str, Any]) -> Comple
 
 
 async def _chat(
-    backend: Backend, spec: RunSpec, defaults: dict[str, Any], transport: Transport | None,
+    backend: Backend,
+    spec: RunSpec,
+    defaults: dict[str, Any],
+    transport: Transport | None,
     checks: list[Check],
-) -> None:  # fmt: skip
+) -> None:
     plain = build_backend(replace(spec, stream=False), transport)
     try:
         answer = await _send(plain, "chat", {**defaults, "messages": MESSAGES})
@@ -113,8 +123,11 @@ async def _chat(
     if isinstance(answer, str):
         checks.append(Check("chat", False, answer, essential=True))
         return
-    checks.append(Check("chat", True, f"{answer.latency_s * 1000:.0f} ms: {answer.text[:60]!r}",
-                        essential=True))  # fmt: skip
+    checks.append(
+        Check(
+            "chat", True, f"{answer.latency_s * 1000:.0f} ms: {answer.text[:60]!r}", essential=True
+        )
+    )
     checks.append(_usage_check("usage (not streamed)", answer))
     streamed = await _send(backend, "chat", {**defaults, "messages": MESSAGES})
     if isinstance(streamed, str):

@@ -237,8 +237,9 @@ def _prompt_texts(body: dict[str, Any]) -> list[str]:
         if isinstance(content, str):
             parts.append(content)
         elif isinstance(content, list):
-            parts.extend(p["text"] for p in content if isinstance(p, dict)
-                         and isinstance(p.get("text"), str))  # fmt: skip
+            parts.extend(
+                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
     return parts
 
 

@@ -80,9 +80,13 @@ class Runner:
         )
         pacer = Pacer(rpm=spec.rpm, tpm=spec.tpm)
         self.throttle = Throttle(
-            pacer, controller=controller, fixed=spec.most_in_flight,
-            clock=self.settings.clock, sleep=self.settings.sleep, on_change=self._adjust,
-        )  # fmt: skip
+            pacer,
+            controller=controller,
+            fixed=spec.most_in_flight,
+            clock=self.settings.clock,
+            sleep=self.settings.sleep,
+            on_change=self._adjust,
+        )
         self._server_load = server_load
         self._limit_log: deque[tuple[float, int, str]] = deque(maxlen=20)
         if progress is not None:
@@ -91,10 +95,16 @@ class Runner:
         self._workers_scope: anyio.CancelScope | None = None
         self.rules = rules or OutputRules()
         self.sender = Sender(
-            backend, policy=self.policy, throttle=self.throttle, rules=self.rules,
-            defaults=spec.request_defaults(), log=log, stats=self.stats, settings=self.settings,
+            backend,
+            policy=self.policy,
+            throttle=self.throttle,
+            rules=self.rules,
+            defaults=spec.request_defaults(),
+            log=log,
+            stats=self.stats,
+            settings=self.settings,
             on_fatal=self._abort,
-        )  # fmt: skip
+        )
 
     # --- control --------------------------------------------------------------------------
 

@@ -96,10 +96,14 @@ class Sender:
                 # a server without usage still shows its throughput through the text length
                 tokens = completion.completion_tokens or estimate_tokens(len(completion.text))
                 slot.done(completion, tokens)
-            log_attempt("ok", latency_ms=_ms(completion.latency_s), ttft_ms=_ms(completion.ttft_s),
-                        prompt_tokens=completion.prompt_tokens,
-                        completion_tokens=completion.completion_tokens,
-                        finish_reason=completion.finish_reason)  # fmt: skip
+            log_attempt(
+                "ok",
+                latency_ms=_ms(completion.latency_s),
+                ttft_ms=_ms(completion.ttft_s),
+                prompt_tokens=completion.prompt_tokens,
+                completion_tokens=completion.completion_tokens,
+                finish_reason=completion.finish_reason,
+            )
             return completion
 
         while True:
@@ -118,8 +122,9 @@ class Sender:
                 kept = plan.give_up(str(exc))  # a failed follow-up leaves the answer it had
                 if kept is not None and plan.last is not None:
                     return self._result(item, attempts, plan.last, kept, plan)
-                return ItemResult(line=item.line, status="failed", attempts=attempts,
-                                  error=str(exc))  # fmt: skip
+                return ItemResult(
+                    line=item.line, status="failed", attempts=attempts, error=str(exc)
+                )
             if refusal is not None:
                 self._refused(plan, refusal)
                 refusal = None

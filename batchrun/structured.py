@@ -105,8 +105,10 @@ class AnswerPlan:
         if not self.guided:
             return self._body
         assert self.schema is not None and self.rules.guided_style is not None
-        return {**self._body, "response_format": response_format(self.rules.guided_style,
-                                                                 self.schema)}  # fmt: skip
+        return {
+            **self._body,
+            "response_format": response_format(self.rules.guided_style, self.schema),
+        }
 
     def judge(self, completion: Completion) -> Outcome | None:
         """The answer's verdict, or None when another request should be sent (see request())."""
@@ -115,8 +117,10 @@ class AnswerPlan:
             self.repair_prompt_tokens += completion.prompt_tokens or 0
             self.repair_completion_tokens += completion.completion_tokens or 0
         else:  # the item's own ask and its longer retries: all of it is the item's usage
-            self.usage = (_add(self.usage[0], completion.prompt_tokens),
-                          _add(self.usage[1], completion.completion_tokens))  # fmt: skip
+            self.usage = (
+                _add(self.usage[0], completion.prompt_tokens),
+                _add(self.usage[1], completion.completion_tokens),
+            )
         if completion.finish_reason == "length" and self._grow_max_tokens(completion):
             return None
         if self.check is None:
@@ -127,8 +131,9 @@ class AnswerPlan:
         assert verdict.error is not None and self.schema is not None
         if completion.finish_reason != "length" and self.repairs < self.rules.repair_attempts:
             self.repairs += 1
-            self._body = repair_body(self.endpoint, self._body, completion.text, verdict.error,
-                                     self.schema)  # fmt: skip
+            self._body = repair_body(
+                self.endpoint, self._body, completion.text, verdict.error, self.schema
+            )
             return None
         return Outcome("invalid", verdict.parsed, verdict.error)
 

@@ -69,8 +69,11 @@ def repair_body(
     """The follow-up request: the conversation so far, the invalid answer and what is wrong."""
     note = REPAIR_INSTRUCTION.format(error=error, schema=orjson.dumps(schema).decode())
     if endpoint == "chat":
-        messages = [*body["messages"], {"role": "assistant", "content": output},
-                    {"role": "user", "content": note}]  # fmt: skip
+        messages = [
+            *body["messages"],
+            {"role": "assistant", "content": output},
+            {"role": "user", "content": note},
+        ]
         return {**body, "messages": messages}
     return {**body, "prompt": f"{body['prompt']}{output}\n\n{note}\n"}
 

@@ -40,11 +40,24 @@ class Answers:
         words = [" " + WORDS[i % len(WORDS)] for i in range(tokens)]
         usage = {"prompt_tokens": 12, "completion_tokens": tokens, "total_tokens": tokens + 12}
         base = {"id": "cmpl-fast", "created": 1700000000, "model": "fast-1"}
-        chat = {**base, "object": "chat.completion", "usage": usage, "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "".join(words)},
-             "finish_reason": "stop"}]}  # fmt: skip
-        text = {**base, "object": "text_completion", "usage": usage, "choices": [
-            {"index": 0, "text": "".join(words), "finish_reason": "stop"}]}  # fmt: skip
+        chat = {
+            **base,
+            "object": "chat.completion",
+            "usage": usage,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(words)},
+                    "finish_reason": "stop",
+                }
+            ],
+        }
+        text = {
+            **base,
+            "object": "text_completion",
+            "usage": usage,
+            "choices": [{"index": 0, "text": "".join(words), "finish_reason": "stop"}],
+        }
         self.plain = {True: self._json(chat), False: self._json(text)}
         self.streamed = {
             (chat_, with_usage): self._stream(base, words, usage if with_usage else None, chat_)

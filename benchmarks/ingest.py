@@ -22,8 +22,19 @@ from pathlib import Path
 
 import orjson
 
-WORDS = ("rewrite", "the", "following", "product", "description", "for", "a", "friendly",
-         "online", "store", "page")  # fmt: skip
+WORDS = (
+    "rewrite",
+    "the",
+    "following",
+    "product",
+    "description",
+    "for",
+    "a",
+    "friendly",
+    "online",
+    "store",
+    "page",
+)
 
 
 def generate(path: Path, lines: int) -> None:

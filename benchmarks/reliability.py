@@ -42,8 +42,11 @@ def check(cli: CLI, job: str, prompts: list[str]) -> dict[str, int]:
     every result commit (installed from outside batchrun before the run)."""
     items = cli.items(job)
     output = cli.output(job)
-    wrong = sum(1 for o, p in zip(output, prompts, strict=False)
-                if not (o["output"] or "").startswith(prompt_tag(p)))  # fmt: skip
+    wrong = sum(
+        1
+        for o, p in zip(output, prompts, strict=False)
+        if not (o["output"] or "").startswith(prompt_tag(p))
+    )
     committed, distinct = audited_records(cli.home / "jobs" / "ledger.db", job)
     return {
         "lost": len(prompts) - sum(1 for r in items if r["status"] == "done"),
@@ -74,8 +77,9 @@ def report(title: str, n: int, stats: dict[str, Any], found: dict[str, int], ext
 
 
 def chaos(home: Path, items: int, seed: int) -> None:
-    server, url = start_sim("--port", "0", "--ttft-ms", "0", "--tpot-ms", "0",
-                            *fault_args(CHAOS_FAULTS, seed))  # fmt: skip
+    server, url = start_sim(
+        "--port", "0", "--ttft-ms", "0", "--tpot-ms", "0", *fault_args(CHAOS_FAULTS, seed)
+    )
     try:
         cli = CLI(home)
         inp = home / "chaos.jsonl"
@@ -83,11 +87,26 @@ def chaos(home: Path, items: int, seed: int) -> None:
         cli.run("submit", str(inp), "--base-url", url, "--model", "sim-1", "--no-run")
         install_audit(home / "jobs" / "ledger.db")
         started = time.perf_counter()
-        done = cli.run("resume", "chaos", "--concurrency", "32", "--timeout", "3",
-                       "--max-attempts", "12", "--quiet", timeout=1800)  # fmt: skip
+        done = cli.run(
+            "resume",
+            "chaos",
+            "--concurrency",
+            "32",
+            "--timeout",
+            "3",
+            "--max-attempts",
+            "12",
+            "--quiet",
+            timeout=1800,
+        )
         took = time.perf_counter() - started
-        report("chaos", items, sim_stats(url), check(cli, "chaos", prompts),
-               f"exit code {done.returncode}, {took:.1f}s")  # fmt: skip
+        report(
+            "chaos",
+            items,
+            sim_stats(url),
+            check(cli, "chaos", prompts),
+            f"exit code {done.returncode}, {took:.1f}s",
+        )
     finally:
         server.kill()
 
@@ -99,8 +118,17 @@ def crash_loop(home: Path, items: int, kills: int, seed: int) -> None:
         inp = home / "loop.jsonl"
         prompts = write_prompts(inp, items)
         rng = random.Random(seed)
-        command = ("submit", str(inp), "--base-url", url, "--model", "sim-1",
-                   "--concurrency", "8", "--quiet")  # fmt: skip
+        command = (
+            "submit",
+            str(inp),
+            "--base-url",
+            url,
+            "--model",
+            "sim-1",
+            "--concurrency",
+            "8",
+            "--quiet",
+        )
         cli.run(*command, "--no-run")
         install_audit(home / "jobs" / "ledger.db")
         step = max(1, items // (kills + 5))
@@ -117,8 +145,13 @@ def crash_loop(home: Path, items: int, kills: int, seed: int) -> None:
             proc.wait()
             done_kills += 1
         final = cli.run(*command, timeout=1800)
-        report(f"crash loop ({done_kills} x kill -9)", items, sim_stats(url),
-               check(cli, "loop", prompts), f"final exit code {final.returncode}")  # fmt: skip
+        report(
+            f"crash loop ({done_kills} x kill -9)",
+            items,
+            sim_stats(url),
+            check(cli, "loop", prompts),
+            f"final exit code {final.returncode}",
+        )
     finally:
         server.kill()
 

@@ -48,8 +48,12 @@ def ratios(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
         cell_b = cells_b.get(_key(cell_a, single))
         if cell_b is None:
             continue
-        row: dict[str, Any] = {"class": cell_a["class"], "concurrency": cell_a["concurrency"],
-                               "a": cell_a["endpoint"], "b": cell_b["endpoint"]}  # fmt: skip
+        row: dict[str, Any] = {
+            "class": cell_a["class"],
+            "concurrency": cell_a["concurrency"],
+            "a": cell_a["endpoint"],
+            "b": cell_b["endpoint"],
+        }
         for label, name, stat in METRICS:
             va, vb = _read(cell_a, name, stat), _read(cell_b, name, stat)
             row[label] = (va, vb, vb / va if va and vb is not None else None)
@@ -60,8 +64,10 @@ def ratios(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def render(a_label: str, b_label: str, rows: list[dict[str, Any]]) -> str:
-    head = f"B / A  (A = {a_label}, B = {b_label}; tok/s and req/s: above 1 is better for B; " \
-           f"latencies: below 1 is better for B)"  # fmt: skip
+    head = (
+        f"B / A  (A = {a_label}, B = {b_label}; tok/s and req/s: above 1 is better for B; "
+        f"latencies: below 1 is better for B)"
+    )
     names = [m[0] for m in METRICS]
     lines = [head, "  ".join(["class".ljust(8), "conc".rjust(4), *(n.rjust(10) for n in names)])]
     for r in rows:

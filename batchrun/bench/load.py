@@ -47,12 +47,18 @@ class Cell:
 
 
 def record_of(
-    endpoint: str, cls: BenchClass, level: int, started: float, result: Completion | RequestError,
-    elapsed: float, check: SchemaCheck | None = None,
-) -> RequestRecord:  # fmt: skip
+    endpoint: str,
+    cls: BenchClass,
+    level: int,
+    started: float,
+    result: Completion | RequestError,
+    elapsed: float,
+    check: SchemaCheck | None = None,
+) -> RequestRecord:
     """One request's measurements from its completion (or its error)."""
-    record = RequestRecord(endpoint, cls.name, level, ok=False, started_s=started,
-                           e2e_ms=elapsed * 1000)  # fmt: skip
+    record = RequestRecord(
+        endpoint, cls.name, level, ok=False, started_s=started, e2e_ms=elapsed * 1000
+    )
     if isinstance(result, RequestError):
         record.error_code = str(result.status) if result.status else type(result).__name__
         record.error = str(result)[:300]
@@ -67,17 +73,29 @@ def record_of(
     tpot = (e2e - ttft) / (tokens - 1) if ttft is not None and tokens and tokens > 1 else None
     valid = check.check(c.text, c.finish_reason).ok if check is not None else None
     return replace(
-        record, ok=True, e2e_ms=e2e, ttft_ms=ttft, tpot_ms=tpot,
+        record,
+        ok=True,
+        e2e_ms=e2e,
+        ttft_ms=ttft,
+        tpot_ms=tpot,
         itl_ms=[(b - a) * 1000 for a, b in itertools.pairwise(times)],
-        output_tokens=tokens, prompt_tokens=c.prompt_tokens, tokens_from=source,
-        schema_valid=valid, server_timing=c.server_timing, chunks=len(times),
-    )  # fmt: skip
+        output_tokens=tokens,
+        prompt_tokens=c.prompt_tokens,
+        tokens_from=source,
+        schema_valid=valid,
+        server_timing=c.server_timing,
+        chunks=len(times),
+    )
 
 
 async def run_cell(
-    backend: Backend, endpoint: str, cls: BenchClass, level: int, plan: LoadPlan,
+    backend: Backend,
+    endpoint: str,
+    cls: BenchClass,
+    level: int,
+    plan: LoadPlan,
     clock: Callable[[], float] = time.perf_counter,
-) -> Cell:  # fmt: skip
+) -> Cell:
     """Warm up, then measure one class at one concurrency level."""
 
     def body(i: int) -> dict[str, Any]:
@@ -100,15 +118,27 @@ async def run_cell(
     count = max(plan.repeat, level)
     await _drive(send, range(plan.warmup), level, None, plan.seed, clock)
     started = clock()
-    records = await _drive(send, range(plan.warmup, plan.warmup + count), level, plan.rate,
-                           plan.seed, clock, t0=started)  # fmt: skip
+    records = await _drive(
+        send,
+        range(plan.warmup, plan.warmup + count),
+        level,
+        plan.rate,
+        plan.seed,
+        clock,
+        t0=started,
+    )
     return Cell(endpoint, cls.name, level, clock() - started, records)
 
 
 async def _drive(
-    send: Callable[[int, float], Any], indexes: range, level: int, rate: float | None,
-    seed: int, clock: Callable[[], float], t0: float | None = None,
-) -> list[RequestRecord]:  # fmt: skip
+    send: Callable[[int, float], Any],
+    indexes: range,
+    level: int,
+    rate: float | None,
+    seed: int,
+    clock: Callable[[], float],
+    t0: float | None = None,
+) -> list[RequestRecord]:
     records: list[RequestRecord] = []
     start = clock() if t0 is None else t0
     todo = iter(indexes)
@@ -137,9 +167,12 @@ async def _drive(
 
 
 async def sweep(
-    backend: Backend, endpoint: str, suite: Suite, plan: LoadPlan,
+    backend: Backend,
+    endpoint: str,
+    suite: Suite,
+    plan: LoadPlan,
     on_cell: Callable[[Cell], None] | None = None,
-) -> list[Cell]:  # fmt: skip
+) -> list[Cell]:
     """Every class at every level, one after another, on one endpoint."""
     cells = []
     for cls in suite.classes:

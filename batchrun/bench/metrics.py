@@ -121,8 +121,10 @@ def knee(levels: list[tuple[int, float, float | None, float]]) -> dict[str, Any]
         return {"concurrency": None, "reason": f"every request failed at {ordered[0][0]}"}
     for (c, tps, p95, ok), (c_next, tps_next, p95_next, ok_next) in itertools.pairwise(ordered):
         if ok_next < ok or p95_next is None:
-            return {"concurrency": c, "reason": f"{c} -> {c_next}: success rate "
-                    f"{ok:.0%} -> {ok_next:.0%}"}  # fmt: skip
+            return {
+                "concurrency": c,
+                "reason": f"{c} -> {c_next}: success rate {ok:.0%} -> {ok_next:.0%}",
+            }
         assert p95 is not None
         if tps_next < tps * KNEE_GAIN and p95_next > p95:
             gain = f"{tps_next / tps - 1:+.0%}" if tps > 0 else "none"

@@ -47,10 +47,18 @@ def parse_endpoint(text: str, resolve_spec: Callable[[dict[str, Any]], RunSpec])
 
 
 async def run_bench(
-    endpoints: list[Endpoint], suite: Suite, plan: LoadPlan, folder: Path, *, label: str,
-    guided: bool = True, selftest: bool = True, transport: Transport | None = None,
-    say: Callable[[str], None] = print, show: Callable[[str], None] = print,
-) -> dict[str, Any]:  # fmt: skip
+    endpoints: list[Endpoint],
+    suite: Suite,
+    plan: LoadPlan,
+    folder: Path,
+    *,
+    label: str,
+    guided: bool = True,
+    selftest: bool = True,
+    transport: Transport | None = None,
+    say: Callable[[str], None] = print,
+    show: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Measure, write results.json, summary.csv, report.md and charts; return the results.
     Progress goes to `say`, the results table to `show`."""
     started = datetime.now(UTC).isoformat(timespec="seconds")
@@ -66,17 +74,21 @@ async def run_bench(
             listed = [] if endpoint.spec.model else await backend.list_models()
             model = endpoint.spec.model or (listed[0] if listed else None)
             style = preset_for(endpoint.spec).guided_style if guided else None
-            run_plan = LoadPlan(plan.levels, plan.repeat, plan.warmup, plan.rate, plan.seed,
-                                model, style)  # fmt: skip
-            described.append({"name": endpoint.name, "base_url": endpoint.spec.base_url,
-                              "model": model})  # fmt: skip
+            run_plan = LoadPlan(
+                plan.levels, plan.repeat, plan.warmup, plan.rate, plan.seed, model, style
+            )
+            described.append(
+                {"name": endpoint.name, "base_url": endpoint.spec.base_url, "model": model}
+            )
 
             def done(cell: Cell) -> None:
                 summary = summarize(cell.records, cell.wall_s)
                 cells.append((cell, summary))
-                say(f"  {cell.endpoint} / {cell.cls} @ {cell.concurrency}: "
+                say(
+                    f"  {cell.endpoint} / {cell.cls} @ {cell.concurrency}: "
                     f"{summary['succeeded']}/{summary['requests']} ok, "
-                    f"{summary['output_throughput'] or 0:,.0f} out tok/s")  # fmt: skip
+                    f"{summary['output_throughput'] or 0:,.0f} out tok/s"
+                )
 
             say(f"benchmarking {endpoint.name} ({endpoint.spec.base_url}, model {model}) ...")
             await sweep(backend, endpoint.name, suite, run_plan, on_cell=done)
@@ -94,18 +106,38 @@ async def run_bench(
 
 
 def _results(
-    label: str, started: str, plan: LoadPlan, suite: Suite, guided: bool,
-    st: dict[str, Any] | None, endpoints: list[dict[str, Any]],
+    label: str,
+    started: str,
+    plan: LoadPlan,
+    suite: Suite,
+    guided: bool,
+    st: dict[str, Any] | None,
+    endpoints: list[dict[str, Any]],
     cells: list[tuple[Cell, dict[str, Any]]],
-) -> dict[str, Any]:  # fmt: skip
-    rows = [{"endpoint": c.endpoint, "class": c.cls, "concurrency": c.concurrency,
-             "client_bound": client_bound(s, st), **s} for c, s in cells]  # fmt: skip
+) -> dict[str, Any]:
+    rows = [
+        {
+            "endpoint": c.endpoint,
+            "class": c.cls,
+            "concurrency": c.concurrency,
+            "client_bound": client_bound(s, st),
+            **s,
+        }
+        for c, s in cells
+    ]
     knees = []
     for endpoint in dict.fromkeys(r["endpoint"] for r in rows):
         for cls in suite.names():
-            levels = [(r["concurrency"], r["output_throughput"] or 0.0, r["e2e_ms"]["p95"],
-                       r["success_rate"] or 0.0)
-                      for r in rows if r["endpoint"] == endpoint and r["class"] == cls]  # fmt: skip
+            levels = [
+                (
+                    r["concurrency"],
+                    r["output_throughput"] or 0.0,
+                    r["e2e_ms"]["p95"],
+                    r["success_rate"] or 0.0,
+                )
+                for r in rows
+                if r["endpoint"] == endpoint and r["class"] == cls
+            ]
             if levels:
                 knees.append({"endpoint": endpoint, "class": cls, **knee(levels)})
     return {

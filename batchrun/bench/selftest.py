@@ -20,8 +20,16 @@ from batchrun.bench.suite import BenchClass
 from batchrun.errors import UsageError
 
 CLIENT_BOUND_SHARE = 0.5
-SIM_ARGS = ["--ttft-ms", "0", "--tpot-ms", "0", "--min-output-tokens", "16",
-            "--max-output-tokens", "16"]  # fmt: skip
+SIM_ARGS = [
+    "--ttft-ms",
+    "0",
+    "--tpot-ms",
+    "0",
+    "--min-output-tokens",
+    "16",
+    "--max-output-tokens",
+    "16",
+]
 
 
 def _start_sim() -> tuple[subprocess.Popen[str], str]:

@@ -30,13 +30,28 @@ EXTRACTION_SCHEMA: dict[str, Any] = {
     "required": ["product", "price", "in_stock"],
 }
 
-_TOPICS = ["a steel water bottle", "a wool blanket", "a cast-iron pan", "a desk lamp",
-           "a pair of running shoes", "a bamboo cutting board", "a travel backpack",
-           "a ceramic teapot", "a wireless keyboard", "a garden hose"]  # fmt: skip
-_FACTS = ["It ships in two days.", "The warehouse in Lyon restocked it last week.",
-          "Customers praise its weight.", "Returns rose after the spring launch.",
-          "The supplier changed the packaging in March.", "It is the top seller in Norway.",
-          "Reviews mention the colour fading.", "The price dropped by ten percent."]  # fmt: skip
+_TOPICS = [
+    "a steel water bottle",
+    "a wool blanket",
+    "a cast-iron pan",
+    "a desk lamp",
+    "a pair of running shoes",
+    "a bamboo cutting board",
+    "a travel backpack",
+    "a ceramic teapot",
+    "a wireless keyboard",
+    "a garden hose",
+]
+_FACTS = [
+    "It ships in two days.",
+    "The warehouse in Lyon restocked it last week.",
+    "Customers praise its weight.",
+    "Returns rose after the spring launch.",
+    "The supplier changed the packaging in March.",
+    "It is the top seller in Norway.",
+    "Reviews mention the colour fading.",
+    "The price dropped by ten percent.",
+]
 
 
 @dataclass(frozen=True)
@@ -61,24 +76,29 @@ def builtin_suite(count: int = 16, seed: int = SEED) -> Suite:
     def doc(sentences: int) -> str:
         return " ".join(rng.choice(_FACTS) for _ in range(sentences))
 
-    short = tuple(f"In one sentence: what is {rng.choice(_TOPICS)} used for?"
-                  for _ in range(count))  # fmt: skip
-    summary = tuple(f"Summarise this report in five bullet points.\n\n{doc(120)}"
-                    for _ in range(count))  # fmt: skip
-    code = tuple(f"Write a Python function that parses a CSV of {rng.choice(_TOPICS)} orders "
-                 f"and returns the total per day, with tests." for _ in range(count))  # fmt: skip
+    short = tuple(f"In one sentence: what is {rng.choice(_TOPICS)} used for?" for _ in range(count))
+    summary = tuple(
+        f"Summarise this report in five bullet points.\n\n{doc(120)}" for _ in range(count)
+    )
+    code = tuple(
+        f"Write a Python function that parses a CSV of {rng.choice(_TOPICS)} orders "
+        f"and returns the total per day, with tests."
+        for _ in range(count)
+    )
     extraction = tuple(
         f"Extract product, price and in_stock as JSON from: 'Offer: {rng.choice(_TOPICS)} for "
         f"{rng.randint(5, 300)}.{rng.randint(0, 99):02d} EUR, {rng.choice(['in', 'out of'])} "
         f"stock. {doc(2)}'"
         for _ in range(count)
     )
-    return Suite([
-        BenchClass("short", 128, short),
-        BenchClass("summary", 1024, summary),
-        BenchClass("code", 1024, code),
-        BenchClass("json", 128, extraction, EXTRACTION_SCHEMA),
-    ])  # fmt: skip
+    return Suite(
+        [
+            BenchClass("short", 128, short),
+            BenchClass("summary", 1024, summary),
+            BenchClass("code", 1024, code),
+            BenchClass("json", 128, extraction, EXTRACTION_SCHEMA),
+        ]
+    )
 
 
 def load_suite(path: Path) -> Suite:
@@ -103,8 +123,10 @@ def load_suite(path: Path) -> Suite:
             raise UsageError(f"{path}: line {number}: needs a 'class' string")
         if not isinstance(prompt, str) or not prompt.strip():
             raise UsageError(f"{path}: line {number}: needs a non-empty 'prompt' string")
-        entry = classes.setdefault(name, {"max_tokens": obj.get("max_tokens", 128),
-                                          "schema": obj.get("schema"), "prompts": []})  # fmt: skip
+        entry = classes.setdefault(
+            name,
+            {"max_tokens": obj.get("max_tokens", 128), "schema": obj.get("schema"), "prompts": []},
+        )
         if not isinstance(entry["max_tokens"], int) or entry["max_tokens"] < 1:
             raise UsageError(f"{path}: line {number}: 'max_tokens' must be a positive integer")
         if entry["schema"] is not None and (problem := schema_problem(entry["schema"])):
@@ -112,8 +134,12 @@ def load_suite(path: Path) -> Suite:
         entry["prompts"].append(prompt)
     if not classes:
         raise UsageError(f"suite {path} has no prompts")
-    return Suite([BenchClass(n, e["max_tokens"], tuple(e["prompts"]), e["schema"])
-                  for n, e in classes.items()])  # fmt: skip
+    return Suite(
+        [
+            BenchClass(n, e["max_tokens"], tuple(e["prompts"]), e["schema"])
+            for n, e in classes.items()
+        ]
+    )
 
 
 def select(suite: Suite, names: list[str] | None, max_tokens: int | None) -> Suite:

@@ -18,9 +18,19 @@ from batchrun.ledger.schema import items
 
 BATCH_ROWS = 5000
 COLUMNS = (
-    "job", "line", "item_id", "endpoint", "body", "digest", "meta", "status", "attempts",
-    "error", "created_at", "updated_at",
-)  # fmt: skip
+    "job",
+    "line",
+    "item_id",
+    "endpoint",
+    "body",
+    "digest",
+    "meta",
+    "status",
+    "attempts",
+    "error",
+    "created_at",
+    "updated_at",
+)
 _LINE, _ITEM_ID, _STATUS, _ERROR = (
     COLUMNS.index(c) for c in ("line", "item_id", "status", "error")
 )
@@ -54,11 +64,22 @@ class Loader:
             if self.skip_invalid:
                 self._batch.append(self._rejected(entry.line, entry.reason))
         else:
-            self._batch.append((
-                self.job, entry.line, entry.item_id, entry.endpoint, entry.body.decode(),
-                entry.digest, entry.meta.decode() if entry.meta else None, "pending", 0, None,
-                self.now, self.now,
-            ))  # fmt: skip
+            self._batch.append(
+                (
+                    self.job,
+                    entry.line,
+                    entry.item_id,
+                    entry.endpoint,
+                    entry.body.decode(),
+                    entry.digest,
+                    entry.meta.decode() if entry.meta else None,
+                    "pending",
+                    0,
+                    None,
+                    self.now,
+                    self.now,
+                )
+            )
         if len(self._batch) >= BATCH_ROWS:
             self.flush()
 

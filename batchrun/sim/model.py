@@ -1,9 +1,10 @@
 """The simulator's pure model: given a request, decide the whole reply and its timing.
 
-No I/O and no clock here. A Reply says what to send and how long to wait before each part; the
-httpx transport and the HTTP server both play the same Reply, so unit tests and the real server
-behave alike. Output text is derived from the prompt (the same prompt always gets the same
-answer, and the answer names the prompt's digest) and says it is synthetic.
+No I/O, and time only through an injected clock (the capacity model's queue; tests pass a fake
+one) and the `created` stamp of an answer. A Reply says what to send and how long to wait before
+each part; the httpx transport and the HTTP server both play the same Reply, so unit tests and
+the real server behave alike. Output text is derived from the prompt (the same prompt always
+gets the same answer, and the answer names the prompt's digest) and says it is synthetic.
 """
 
 from __future__ import annotations
@@ -137,8 +138,9 @@ def _cut(reply: Reply) -> Reply:
     if reply.events is not None:
         keep = max(1, len(reply.events) // 2)
         return Reply(reply.status, reply.headers, events=reply.events[:keep], fault="cut")
-    return Reply(reply.status, reply.headers, reply.body[: len(reply.body) // 2],
-                 reply.delay, fault="cut")  # fmt: skip
+    return Reply(
+        reply.status, reply.headers, reply.body[: len(reply.body) // 2], reply.delay, fault="cut"
+    )
 
 
 def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
@@ -266,8 +268,11 @@ class SimModel:
         wanted = rng.randint(cfg.min_output_tokens, cfg.max_output_tokens)
         fmt = request.get("response_format")
         if fmt is not None and cfg.refuse_response_format:
-            return _error(400, "response_format is not supported by this server (simulated)",
-                          "invalid_request_error")  # fmt: skip
+            return _error(
+                400,
+                "response_format is not supported by this server (simulated)",
+                "invalid_request_error",
+            )
         tokens = self._json_tokens(request, rng)
         if tokens is None:
             tokens = [tag, *(" " + rng.choice(WORDS) for _ in range(wanted - 1))]

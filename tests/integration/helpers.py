@@ -133,9 +133,17 @@ def start_sim(*args: str) -> tuple[subprocess.Popen[str], str]:
 
 # ~23% of requests fail, across every kind the simulator can inject.
 CHAOS_FAULTS = {
-    "429": 0.03, "500": 0.02, "502": 0.02, "503": 0.03, "504": 0.02,
-    "reset": 0.03, "hang": 0.01, "cut": 0.03, "nonjson": 0.02, "empty": 0.02,
-}  # fmt: skip
+    "429": 0.03,
+    "500": 0.02,
+    "502": 0.02,
+    "503": 0.03,
+    "504": 0.02,
+    "reset": 0.03,
+    "hang": 0.01,
+    "cut": 0.03,
+    "nonjson": 0.02,
+    "empty": 0.02,
+}
 
 
 def fault_args(rates: dict[str, float], seed: int = 7) -> list[str]:

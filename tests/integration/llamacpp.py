@@ -59,12 +59,25 @@ class LlamaServer:
     def start(self) -> None:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "llama_cpp.server", "--model", str(MODEL),
-                 "--host", "127.0.0.1", "--port", str(self.port), "--n_ctx", str(self.n_ctx),
-                 # by default a new request cuts the stream in progress; queue it instead
-                 "--interrupt_requests", str(self.interrupt)],
-                stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "llama_cpp.server",
+                    "--model",
+                    str(MODEL),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--n_ctx",
+                    str(self.n_ctx),
+                    # by default a new request cuts the stream in progress; queue it instead
+                    "--interrupt_requests",
+                    str(self.interrupt),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

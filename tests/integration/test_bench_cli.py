@@ -33,10 +33,28 @@ def _cell(data: dict[str, Any], cls: str, level: int) -> dict[str, Any]:
 def test_measured_ttft_and_tpot_match_the_latency_model(
     cli: CLI, tmp_path: Path, sim_server: Callable[..., str]
 ) -> None:
-    url = sim_server("--ttft-ms", "100", "--tpot-ms", "20", "--min-output-tokens", "20",
-                     "--max-output-tokens", "20")  # fmt: skip
-    data = _bench(cli, tmp_path / "run", "--base-url", url, "--classes", "short",
-                  "--concurrency", "1,2", "--repeat", "6")  # fmt: skip
+    url = sim_server(
+        "--ttft-ms",
+        "100",
+        "--tpot-ms",
+        "20",
+        "--min-output-tokens",
+        "20",
+        "--max-output-tokens",
+        "20",
+    )
+    data = _bench(
+        cli,
+        tmp_path / "run",
+        "--base-url",
+        url,
+        "--classes",
+        "short",
+        "--concurrency",
+        "1,2",
+        "--repeat",
+        "6",
+    )
     for level in (1, 2):
         cell = _cell(data, "short", level)
         assert cell["success_rate"] == 1.0 and cell["requests"] == 6
@@ -54,10 +72,32 @@ def test_measured_ttft_and_tpot_match_the_latency_model(
 def test_the_knee_is_found_where_the_server_runs_out_of_slots(
     cli: CLI, tmp_path: Path, sim_server: Callable[..., str]
 ) -> None:
-    url = sim_server("--slots", "4", "--ttft-ms", "20", "--tpot-ms", "10",
-                     "--min-output-tokens", "20", "--max-output-tokens", "20")  # fmt: skip
-    data = _bench(cli, tmp_path / "run", "--base-url", url, "--classes", "short",
-                  "--concurrency", "1,2,4,8,16", "--repeat", "16", "--warmup", "0")  # fmt: skip
+    url = sim_server(
+        "--slots",
+        "4",
+        "--ttft-ms",
+        "20",
+        "--tpot-ms",
+        "10",
+        "--min-output-tokens",
+        "20",
+        "--max-output-tokens",
+        "20",
+    )
+    data = _bench(
+        cli,
+        tmp_path / "run",
+        "--base-url",
+        url,
+        "--classes",
+        "short",
+        "--concurrency",
+        "1,2,4,8,16",
+        "--repeat",
+        "16",
+        "--warmup",
+        "0",
+    )
     (found,) = data["knees"]
     assert found["concurrency"] == 4, (
         found,
@@ -71,15 +111,27 @@ def test_every_file_is_written_and_compare_puts_two_runs_side_by_side(
     fast = sim_server("--ttft-ms", "10", "--tpot-ms", "5")
     slow = sim_server("--ttft-ms", "10", "--tpot-ms", "10")
     run_a, run_b = tmp_path / "a", tmp_path / "b"
-    common = ["--classes", "short,json", "--concurrency", "1,2", "--repeat", "3",
-              "--max-tokens", "40"]  # fmt: skip
+    common = [
+        "--classes",
+        "short,json",
+        "--concurrency",
+        "1,2",
+        "--repeat",
+        "3",
+        "--max-tokens",
+        "40",
+    ]
     a = _bench(cli, run_a, "--endpoint", f"fast={fast}", *common)
     b = _bench(cli, run_b, "--endpoint", f"slow={slow}", *common)
     for run, data in ((run_a, a), (run_b, b)):
         assert len(data["cells"]) == 4 and len(data["requests"]) == 12
         rows = list(csv.DictReader((run / "summary.csv").open()))
         assert [(r["class"], r["concurrency"]) for r in rows] == [
-            ("short", "1"), ("short", "2"), ("json", "1"), ("json", "2")]  # fmt: skip
+            ("short", "1"),
+            ("short", "2"),
+            ("json", "1"),
+            ("json", "2"),
+        ]
         report = (run / "report.md").read_text()
         assert "Recommended concurrency" in report and "P99 from 3 samples" in report
         for chart in CHARTS:
@@ -101,9 +153,22 @@ def test_several_endpoints_in_one_run_and_the_client_self_test(
     one = sim_server("--ttft-ms", "0", "--tpot-ms", "0")
     two = sim_server("--ttft-ms", "5", "--tpot-ms", "1")
     out = tmp_path / "run"
-    result = cli.run("bench", "-o", str(out), "--endpoint", f"one={one}", "--endpoint",
-                     f"two={two},model=sim-1", "--classes", "short", "--concurrency", "4",
-                     "--repeat", "40", timeout=300)  # fmt: skip
+    result = cli.run(
+        "bench",
+        "-o",
+        str(out),
+        "--endpoint",
+        f"one={one}",
+        "--endpoint",
+        f"two={two},model=sim-1",
+        "--classes",
+        "short",
+        "--concurrency",
+        "4",
+        "--repeat",
+        "40",
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     data = json.loads((out / "results.json").read_text())
     assert [e["name"] for e in data["endpoints"]] == ["one", "two"]

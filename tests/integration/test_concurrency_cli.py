@@ -20,12 +20,32 @@ def test_auto_finds_the_knee_of_an_8_slot_server(
     cli: CLI, sim_server: Callable[..., str], tmp_path: Path, metrics: bool
 ) -> None:
     shape = ["--slots", str(SLOTS), "--tpot-slope", "0.5", *([] if metrics else ["--no-metrics"])]
-    url = sim_server("--ttft-ms", "20", "--tpot-ms", "2", "--min-output-tokens", "16",
-                     "--max-output-tokens", "24", *shape)  # fmt: skip
+    url = sim_server(
+        "--ttft-ms",
+        "20",
+        "--tpot-ms",
+        "2",
+        "--min-output-tokens",
+        "16",
+        "--max-output-tokens",
+        "24",
+        *shape,
+    )
     inp = tmp_path / "auto.jsonl"
     write_prompts(inp, 1200)
-    result = cli.run("submit", str(inp), "--base-url", url, "--model", "sim-1",
-                     "--concurrency", "auto", "--max-concurrency", "256", "--quiet")  # fmt: skip
+    result = cli.run(
+        "submit",
+        str(inp),
+        "--base-url",
+        url,
+        "--model",
+        "sim-1",
+        "--concurrency",
+        "auto",
+        "--max-concurrency",
+        "256",
+        "--quiet",
+    )
     assert result.returncode == 0, result.stderr
     log = [json.loads(x) for x in (cli.home / "logs" / "auto.log").read_text().splitlines()]
     changes = [e for e in log if e["event"] == "concurrency"]

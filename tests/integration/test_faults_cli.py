@@ -41,8 +41,17 @@ def test_chaos_2000_items_with_a_fifth_of_responses_faulty(
     loaded = cli.run("submit", str(inp), "--base-url", url, "--model", "sim-1", "--no-run")
     assert loaded.returncode == 0, loaded.stderr
     install_audit(cli.home / "jobs" / "ledger.db")
-    result = cli.run("resume", "chaos", "--concurrency", "32", "--timeout", "3",
-                     "--max-attempts", "12", "--quiet")  # fmt: skip
+    result = cli.run(
+        "resume",
+        "chaos",
+        "--concurrency",
+        "32",
+        "--timeout",
+        "3",
+        "--max-attempts",
+        "12",
+        "--quiet",
+    )
     assert result.returncode == 0, result.stderr
     assert_exactly_once(cli, "chaos", prompts)
     assert audited_records(cli.home / "jobs" / "ledger.db", "chaos") == (2000, 2000)
@@ -66,8 +75,17 @@ def test_crash_loop_ten_kills_then_exact_results(
     url = sim_server("--ttft-ms", "10", "--tpot-ms", "1")
     inp = tmp_path / "loop.jsonl"
     prompts = write_prompts(inp, 1500)
-    command = ("submit", str(inp), "--base-url", url, "--model", "sim-1",
-               "--concurrency", "8", "--quiet")  # fmt: skip
+    command = (
+        "submit",
+        str(inp),
+        "--base-url",
+        url,
+        "--model",
+        "sim-1",
+        "--concurrency",
+        "8",
+        "--quiet",
+    )
     assert cli.run(*command, "--no-run").returncode == 0
     db = cli.home / "jobs" / "ledger.db"
     install_audit(db)
@@ -102,8 +120,19 @@ def test_outage_stops_with_3_and_resume_completes_when_the_server_is_back(
     inp = tmp_path / "outage.jsonl"
     prompts = write_prompts(inp, 400)
     try:
-        proc = cli.start("submit", str(inp), "--base-url", url, "--model", "sim-1",
-                         "--concurrency", "8", "--outage-timeout", "2", "--quiet")  # fmt: skip
+        proc = cli.start(
+            "submit",
+            str(inp),
+            "--base-url",
+            url,
+            "--model",
+            "sim-1",
+            "--concurrency",
+            "8",
+            "--outage-timeout",
+            "2",
+            "--quiet",
+        )
         cli.wait_for("outage", 50, proc)
         server.terminate()
         server.wait(timeout=10)
@@ -143,8 +172,11 @@ def test_full_disk_is_a_clear_error_and_resume_recovers(
     # full disk (writes fail with EFBIG, which SQLite reports as "database or disk is full").
     full = subprocess.run(
         [*cli_command(cli.home), "resume", "full", "--quiet"],
-        capture_output=True, text=True, timeout=120, preexec_fn=_limit_file_size(256 * 1024),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=_limit_file_size(256 * 1024),
+    )
     assert full.returncode == 2, full.stderr
     assert "disk full" in full.stderr, full.stderr
     assert "Traceback" not in full.stderr
@@ -165,8 +197,11 @@ def test_full_disk_hitting_the_job_log_first_is_a_clear_error(cli: CLI, tmp_path
     log.write_bytes(b"x" * (limit - 200))  # the log can take a line or two more, no more
     full = subprocess.run(
         [*cli_command(cli.home), "resume", "logfull"],
-        capture_output=True, text=True, timeout=120, preexec_fn=_limit_file_size(limit),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=_limit_file_size(limit),
+    )
     assert full.returncode == 2, full.stderr
     assert "cannot write the job log" in full.stderr and "Traceback" not in full.stderr
     log.write_bytes(b"")

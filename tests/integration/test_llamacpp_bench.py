@@ -16,9 +16,24 @@ def test_a_small_sweep_completes_and_writes_every_file(
     cli: CLI, tmp_path: Path, llama_server: LlamaServer
 ) -> None:
     out = tmp_path / "bench"
-    result = cli.run("bench", "--backend", "llamacpp", "--base-url", llama_server.url,
-                     "--classes", "short,json", "--concurrency", "1,2", "--repeat", "4",
-                     "--max-tokens", "48", "-o", str(out), timeout=300)  # fmt: skip
+    result = cli.run(
+        "bench",
+        "--backend",
+        "llamacpp",
+        "--base-url",
+        llama_server.url,
+        "--classes",
+        "short,json",
+        "--concurrency",
+        "1,2",
+        "--repeat",
+        "4",
+        "--max-tokens",
+        "48",
+        "-o",
+        str(out),
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     data = json.loads((out / "results.json").read_text())
     assert data["endpoints"][0]["model"].endswith("stories260K.gguf")

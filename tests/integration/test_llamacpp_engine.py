@@ -29,9 +29,21 @@ def test_a_200_item_job_completes_on_each_endpoint_streamed_or_not(
 ) -> None:
     inp = tmp_path / "in.jsonl"
     write_prompts(inp, 200)
-    result = cli.run("submit", str(inp), "--backend", "llamacpp", "--base-url", llama_server.url,
-                     "--endpoint", endpoint, "--stream" if stream else "--no-stream",
-                     "--max-tokens", "12", "--quiet", timeout=300)  # fmt: skip
+    result = cli.run(
+        "submit",
+        str(inp),
+        "--backend",
+        "llamacpp",
+        "--base-url",
+        llama_server.url,
+        "--endpoint",
+        endpoint,
+        "--stream" if stream else "--no-stream",
+        "--max-tokens",
+        "12",
+        "--quiet",
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     rows = _results(cli, "in")
     assert [r["status"] for r in rows] == ["done"] * 200
@@ -57,8 +69,17 @@ def test_a_prompt_over_the_context_window_fails_alone_with_the_servers_message(
 ) -> None:
     inp = tmp_path / "in.jsonl"
     write_prompts(inp, 20, extra=lambda i: {"prompt": "word " * 900} if i == 7 else {})
-    result = cli.run("submit", str(inp), "--backend", "llamacpp", "--base-url", llama_server.url,
-                     "--max-tokens", "8", "--quiet")  # fmt: skip
+    result = cli.run(
+        "submit",
+        str(inp),
+        "--backend",
+        "llamacpp",
+        "--base-url",
+        llama_server.url,
+        "--max-tokens",
+        "8",
+        "--quiet",
+    )
     assert result.returncode == 1, result.stderr
     rows = _results(cli, "in")
     assert [r["status"] for r in rows] == ["done"] * 7 + ["failed"] + ["done"] * 12
@@ -75,9 +96,21 @@ def test_the_server_dies_midway_comes_back_and_resume_completes_the_job(
     try:
         inp = tmp_path / "in.jsonl"
         write_prompts(inp, 200)
-        run = cli.start("submit", str(inp), "--backend", "llamacpp", "--base-url", server.url,
-                        "--max-tokens", "24", "--concurrency", "2", "--outage-timeout", "3",
-                        "--quiet")  # fmt: skip
+        run = cli.start(
+            "submit",
+            str(inp),
+            "--backend",
+            "llamacpp",
+            "--base-url",
+            server.url,
+            "--max-tokens",
+            "24",
+            "--concurrency",
+            "2",
+            "--outage-timeout",
+            "3",
+            "--quiet",
+        )
         deadline = time.monotonic() + 120
         while cli.counts("in").get("done", 0) < 40 and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -114,8 +147,18 @@ def test_auto_settles_at_one_on_a_server_that_cuts_a_running_answer_for_a_new_on
     try:
         inp = tmp_path / "in.jsonl"
         write_prompts(inp, 150)
-        result = cli.run("submit", str(inp), "--backend", "llamacpp", "--base-url", server.url,
-                         "--max-tokens", "16", "--quiet", timeout=300)  # fmt: skip
+        result = cli.run(
+            "submit",
+            str(inp),
+            "--backend",
+            "llamacpp",
+            "--base-url",
+            server.url,
+            "--max-tokens",
+            "16",
+            "--quiet",
+            timeout=300,
+        )
     finally:
         server.kill()
     assert result.returncode == 0, result.stderr

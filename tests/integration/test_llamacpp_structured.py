@@ -34,8 +34,18 @@ def _job(
     write_prompts(inp, n)
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(SCHEMA))
-    result = cli.run("submit", str(inp), "--backend", "llamacpp", "--base-url", server.url,
-                     "--schema", str(schema), "--quiet", *flags)  # fmt: skip
+    result = cli.run(
+        "submit",
+        str(inp),
+        "--backend",
+        "llamacpp",
+        "--base-url",
+        server.url,
+        "--schema",
+        str(schema),
+        "--quiet",
+        *flags,
+    )
     assert result.returncode in (0, 1), result.stderr
     out = cli.home / "outputs" / "in.jsonl"
     return [json.loads(line) for line in out.read_text().splitlines()]
@@ -63,8 +73,17 @@ def test_constrained_decoding_gives_schema_valid_answers(
 def test_without_guidance_the_same_model_gives_no_json(
     cli: CLI, tmp_path: Path, llama_server: LlamaServer
 ) -> None:
-    rows = _job(cli, tmp_path, llama_server, 15, "--max-tokens", "60", "--no-guided",
-                "--repair-attempts", "0")  # fmt: skip
+    rows = _job(
+        cli,
+        tmp_path,
+        llama_server,
+        15,
+        "--max-tokens",
+        "60",
+        "--no-guided",
+        "--repair-attempts",
+        "0",
+    )
     assert [r["status"] for r in rows] == ["invalid"] * 15
     assert all(r["parsed"] is None for r in rows)
 
@@ -83,8 +102,18 @@ def test_answers_cut_by_a_tiny_max_tokens_are_invalid_not_done(
 def test_retry_longer_turns_truncated_answers_into_valid_ones(
     cli: CLI, tmp_path: Path, llama_server: LlamaServer
 ) -> None:
-    rows = _job(cli, tmp_path, llama_server, 20, "--max-tokens", "8",
-                "--on-truncate", "retry-longer", "--max-tokens-cap", "256")  # fmt: skip
+    rows = _job(
+        cli,
+        tmp_path,
+        llama_server,
+        20,
+        "--max-tokens",
+        "8",
+        "--on-truncate",
+        "retry-longer",
+        "--max-tokens-cap",
+        "256",
+    )
     done = [r for r in rows if r["status"] == "done"]
     assert len(done) >= 15
     assert all(r["attempts"] >= 2 for r in done)  # 8 tokens never hold the whole object

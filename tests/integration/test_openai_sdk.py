@@ -20,18 +20,24 @@ MESSAGES = [{"role": "user", "content": "Describe a steel bottle in five words."
 def test_the_sdk_client_completes_chat_and_completions_against_the_simulator(
     sim_server: Callable[..., str],
 ) -> None:
-    client = openai.OpenAI(base_url=sim_server("--ttft-ms", "1", "--tpot-ms", "0"),
-                           api_key="unused", max_retries=0)  # fmt: skip
+    client = openai.OpenAI(
+        base_url=sim_server("--ttft-ms", "1", "--tpot-ms", "0"), api_key="unused", max_retries=0
+    )
     chat = client.chat.completions.create(model="sim-1", messages=MESSAGES, max_tokens=20)
     assert isinstance(chat, ChatCompletion)
     assert chat.choices[0].message.content and chat.choices[0].message.content.startswith("[sim:")
     assert chat.usage is not None and chat.usage.completion_tokens >= 1
     assert chat.choices[0].finish_reason in ("stop", "length")
 
-    chunks = list(client.chat.completions.create(
-        model="sim-1", messages=MESSAGES, max_tokens=20, stream=True,
-        stream_options={"include_usage": True},
-    ))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="sim-1",
+            messages=MESSAGES,
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert all(isinstance(c, ChatCompletionChunk) for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == chat.choices[0].message.content  # the same prompt, the same answer
@@ -42,8 +48,11 @@ def test_the_sdk_client_completes_chat_and_completions_against_the_simulator(
     assert isinstance(plain, SDKCompletion)
     assert plain.choices[0].finish_reason == "length" and plain.usage is not None
     assert plain.usage.completion_tokens == 5
-    streamed = list(client.completions.create(model="sim-1", prompt="Once upon a time",
-                                              max_tokens=5, stream=True))  # fmt: skip
+    streamed = list(
+        client.completions.create(
+            model="sim-1", prompt="Once upon a time", max_tokens=5, stream=True
+        )
+    )
     assert all(isinstance(c, SDKCompletion) for c in streamed)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == plain.choices[0].text
 
@@ -54,12 +63,21 @@ def test_a_batch_api_file_runs_unchanged_and_results_have_the_batch_output_shape
     url = sim_server("--ttft-ms", "1", "--tpot-ms", "0")
     inp = tmp_path / "batch_input.jsonl"
     lines = [
-        {"custom_id": f"request-{i}", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "sim-1", "messages": [{"role": "system", "content": "Be brief."},
-                                                 {"role": "user", "content": f"Item {i}?"}],
-                  "max_tokens": 30}}
+        {
+            "custom_id": f"request-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "sim-1",
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": f"Item {i}?"},
+                ],
+                "max_tokens": 30,
+            },
+        }
         for i in range(25)
-    ]  # fmt: skip
+    ]
     inp.write_text("".join(json.dumps(line) + "\n" for line in lines))
     result = cli.run("submit", str(inp), "--base-url", url, "--quiet")
     assert result.returncode == 0, result.stderr

@@ -20,9 +20,19 @@ def test_refused_guidance_falls_back_and_repairs_fix_broken_answers(
 ) -> None:
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(SCHEMA))
-    url = sim_server("--ttft-ms", "1", "--tpot-ms", "0", "--json-schema", str(schema),
-                     "--refuse-response-format", "--json-style", "fenced=0.3",
-                     "--json-style", "broken=0.3")  # fmt: skip
+    url = sim_server(
+        "--ttft-ms",
+        "1",
+        "--tpot-ms",
+        "0",
+        "--json-schema",
+        str(schema),
+        "--refuse-response-format",
+        "--json-style",
+        "fenced=0.3",
+        "--json-style",
+        "broken=0.3",
+    )
     inp = tmp_path / "in.jsonl"
     write_prompts(inp, 40)
     result = cli.run("submit", str(inp), "--base-url", url, "--schema", str(schema), "--quiet")
@@ -34,8 +44,9 @@ def test_refused_guidance_falls_back_and_repairs_fix_broken_answers(
     assert all(set(r["parsed"]) == {"title", "price"} for r in rows)
     repaired = [r for r in rows if r["repairs"]]
     assert 0 < len(repaired) < 40
-    assert all(r["repairs"]["requests"] == 1 and r["repairs"]["completion_tokens"] > 0
-               for r in repaired)  # fmt: skip
+    assert all(
+        r["repairs"]["requests"] == 1 and r["repairs"]["completion_tokens"] > 0 for r in repaired
+    )
     status = cli.run("status", "in")
     assert "repairs    " in status.stdout and f"{len(repaired)} requests" in status.stdout
     log = (cli.home / "logs" / "in.log").read_text().splitlines()
@@ -47,12 +58,22 @@ def test_a_schema_violation_left_after_repairs_is_reported_by_status(
 ) -> None:
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(SCHEMA))
-    url = sim_server("--ttft-ms", "1", "--tpot-ms", "0", "--json-schema", str(schema),
-                     "--json-style", "violating=1", "--repair-fails")  # fmt: skip
+    url = sim_server(
+        "--ttft-ms",
+        "1",
+        "--tpot-ms",
+        "0",
+        "--json-schema",
+        str(schema),
+        "--json-style",
+        "violating=1",
+        "--repair-fails",
+    )
     inp = tmp_path / "in.jsonl"
     write_prompts(inp, 10)
-    result = cli.run("submit", str(inp), "--base-url", url, "--schema", str(schema),
-                     "--no-guided", "--quiet")  # fmt: skip
+    result = cli.run(
+        "submit", str(inp), "--base-url", url, "--schema", str(schema), "--no-guided", "--quiet"
+    )
     assert result.returncode == 1, result.stderr
     assert "10 invalid" in result.stderr
     status = cli.run("status", "in")

@@ -32,8 +32,13 @@ def test_nearest_rank_percentiles() -> None:
 
 
 def test_knee_is_the_last_level_that_still_bought_throughput() -> None:
-    levels = [(1, 100.0, 50.0, 1.0), (2, 200.0, 52.0, 1.0), (4, 390.0, 55.0, 1.0),
-              (8, 400.0, 110.0, 1.0), (16, 405.0, 230.0, 1.0)]  # fmt: skip
+    levels = [
+        (1, 100.0, 50.0, 1.0),
+        (2, 200.0, 52.0, 1.0),
+        (4, 390.0, 55.0, 1.0),
+        (8, 400.0, 110.0, 1.0),
+        (16, 405.0, 230.0, 1.0),
+    ]
     found = knee(levels)
     assert found["concurrency"] == 4 and "4 -> 8" in found["reason"]
     growing = knee([(1, 100.0, 50.0, 1.0), (2, 190.0, 51.0, 1.0), (4, 380.0, 53.0, 1.0)])
@@ -53,14 +58,29 @@ def test_knee_stops_before_a_level_where_requests_fail() -> None:
 
 
 def _record(ok: bool = True, **fields: Any) -> RequestRecord:
-    base: dict[str, Any] = {"endpoint": "e", "cls": "short", "concurrency": 1, "ok": ok,
-                            "started_s": 0.0, "e2e_ms": 100.0}  # fmt: skip
+    base: dict[str, Any] = {
+        "endpoint": "e",
+        "cls": "short",
+        "concurrency": 1,
+        "ok": ok,
+        "started_s": 0.0,
+        "e2e_ms": 100.0,
+    }
     return RequestRecord(**{**base, **fields})
 
 
 def test_a_cell_summary_counts_tokens_errors_and_warns_about_few_samples() -> None:
-    records = [_record(ttft_ms=10.0, tpot_ms=2.0, itl_ms=[2.0, 3.0], output_tokens=20, chunks=20,
-                       schema_valid=True) for _ in range(9)]  # fmt: skip
+    records = [
+        _record(
+            ttft_ms=10.0,
+            tpot_ms=2.0,
+            itl_ms=[2.0, 3.0],
+            output_tokens=20,
+            chunks=20,
+            schema_valid=True,
+        )
+        for _ in range(9)
+    ]
     records.append(_record(ok=False, error_code="503"))
     records.append(_record(ttft_ms=12.0, output_tokens=10, schema_valid=False, chunks=10))
     cell = summarize(records, wall_s=2.0)
@@ -74,8 +94,9 @@ def test_a_cell_summary_counts_tokens_errors_and_warns_about_few_samples() -> No
         "P95 from 10 samples is the maximum (needs 20 or more)",
         "P99 from 10 samples is the maximum (needs 100 or more)",
     ]
-    row = report.csv_row({"endpoint": "e", "class": "short", "concurrency": 1,
-                          "client_bound": False, **cell})  # fmt: skip
+    row = report.csv_row(
+        {"endpoint": "e", "class": "short", "concurrency": 1, "client_bound": False, **cell}
+    )
     assert row["errors"] == "503:1" and row["ttft_p50_ms"] == 10.0
 
 
@@ -84,7 +105,11 @@ def test_builtin_suite_is_deterministic_and_has_four_classes() -> None:
     assert a.names() == ["short", "summary", "code", "json"]
     assert [c.prompts for c in a.classes] == [c.prompts for c in b.classes]
     assert {c.name: c.max_tokens for c in a.classes} == {
-        "short": 128, "summary": 1024, "code": 1024, "json": 128}  # fmt: skip
+        "short": 128,
+        "summary": 1024,
+        "code": 1024,
+        "json": 128,
+    }
     body = request_body(a.classes[0], 3, "m", seed=7)
     assert body["temperature"] == 0.2 and body["top_p"] == 0.9 and body["seed"] == 7
     assert select(a, ["json"], 32).classes[0].max_tokens == 32
@@ -94,9 +119,11 @@ def test_builtin_suite_is_deterministic_and_has_four_classes() -> None:
 
 def test_a_user_suite_is_read_by_class_and_bad_lines_are_named(tmp_path: Path) -> None:
     path = tmp_path / "suite.jsonl"
-    path.write_text('{"class": "faq", "prompt": "a?", "max_tokens": 40}\n'
-                    '{"class": "faq", "prompt": "b?"}\n\n'
-                    '{"class": "ids", "prompt": "x", "schema": {"type": "object"}}\n')  # fmt: skip
+    path.write_text(
+        '{"class": "faq", "prompt": "a?", "max_tokens": 40}\n'
+        '{"class": "faq", "prompt": "b?"}\n\n'
+        '{"class": "ids", "prompt": "x", "schema": {"type": "object"}}\n'
+    )
     suite = load_suite(path)
     assert suite.names() == ["faq", "ids"]
     assert suite.classes[0].prompts == ("a?", "b?") and suite.classes[0].max_tokens == 40
@@ -129,8 +156,11 @@ def test_cells_near_the_clients_own_limit_are_flagged() -> None:
 
 def _results(label: str, tps: float) -> dict[str, Any]:
     cell = summarize([_record(ttft_ms=10.0, output_tokens=int(tps)) for _ in range(2)], 2.0)
-    return {"label": label, "endpoints": [{"name": label}],
-            "cells": [{"endpoint": label, "class": "short", "concurrency": 4, **cell}]}  # fmt: skip
+    return {
+        "label": label,
+        "endpoints": [{"name": label}],
+        "cells": [{"endpoint": label, "class": "short", "concurrency": 4, **cell}],
+    }
 
 
 def test_compare_gives_b_over_a_for_cells_both_runs_have() -> None:
@@ -156,7 +186,11 @@ async def test_a_sweep_over_the_simulator_records_every_request(anyio_backend: s
     finally:
         await backend.aclose()
     assert [(c.cls, c.concurrency, len(c.records)) for c in cells] == [
-        ("short", 1, 4), ("short", 3, 4), ("json", 1, 4), ("json", 3, 4)]  # fmt: skip
+        ("short", 1, 4),
+        ("short", 3, 4),
+        ("json", 1, 4),
+        ("json", 3, 4),
+    ]
     short = [r for c in cells if c.cls == "short" for r in c.records]
     assert all(r.ok and r.output_tokens == 12 and r.tokens_from == "usage" for r in short)
     assert all(r.ttft_ms is not None and len(r.itl_ms) == 11 for r in short)
@@ -178,11 +212,21 @@ async def test_without_matplotlib_every_other_file_is_written_and_it_says_so(
     said: list[str] = []
     spec = resolve({"backend": "sim", "sim_options": {"min_output_tokens": 4}})
     suite = select(builtin_suite(), ["short"], 16)
-    results = await run_bench([Endpoint("sim", spec)], suite, LoadPlan(levels=(1,), repeat=2),
-                              tmp_path, label="t", selftest=False, say=said.append,
-                              show=said.append)  # fmt: skip
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "results.json",
-                                                          "summary.csv"]  # fmt: skip
+    results = await run_bench(
+        [Endpoint("sim", spec)],
+        suite,
+        LoadPlan(levels=(1,), repeat=2),
+        tmp_path,
+        label="t",
+        selftest=False,
+        say=said.append,
+        show=said.append,
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "report.md",
+        "results.json",
+        "summary.csv",
+    ]
     assert plots.MISSING in said
     assert results["cells"][0]["succeeded"] == 2
 

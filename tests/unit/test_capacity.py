@@ -101,8 +101,15 @@ def test_tokens_per_minute() -> None:
 
 def test_the_model_plays_queueing_and_refusals_as_replies() -> None:
     clock = Clock()
-    config = SimConfig(ttft_ms=100, tpot_ms=10, min_output_tokens=11, max_output_tokens=11,
-                       slots=1, queue_limit=1, rpm=100)  # fmt: skip
+    config = SimConfig(
+        ttft_ms=100,
+        tpot_ms=10,
+        min_output_tokens=11,
+        max_output_tokens=11,
+        slots=1,
+        queue_limit=1,
+        rpm=100,
+    )
     model = SimModel(config, clock=clock)
     body = {"model": "sim-1", "messages": [{"role": "user", "content": "x"}], "stream": True}
     first = model.complete("chat", body)

@@ -229,9 +229,12 @@ def test_not_streamed_answers_clock_the_ramp_and_the_curve_finds_the_knee() -> N
         latency = 0.1 * max(1.0, level / 16)
         now += latency / level
         seen = Observation(
-            sent_in_flight=level, ended_in_flight=level, sent_at_limit=ctl.limit,
-            tokens=40, latency=latency,
-        )  # fmt: skip
+            sent_in_flight=level,
+            ended_in_flight=level,
+            sent_at_limit=ctl.limit,
+            tokens=40,
+            latency=latency,
+        )
         ctl.finished(now, seen)
         if ctl.phase != "ramp":
             break
@@ -267,8 +270,9 @@ def test_once_settled_answers_sent_under_an_old_limit_say_nothing_about_this_one
     ctl = ConcurrencyController(initial=4)
     ctl.phase = "steady"  # (while ramping, what a lower level showed still counts)
     for i in range(20):
-        seen = Observation(sent_in_flight=2, ended_in_flight=2, sent_at_limit=2, tokens=10,
-                           latency=0.1, ttft=0.05)  # fmt: skip
+        seen = Observation(
+            sent_in_flight=2, ended_in_flight=2, sent_at_limit=2, tokens=10, latency=0.1, ttft=0.05
+        )
         assert ctl.finished(float(i), seen) is None
         assert ctl.first_token(float(i), ttft=5.0, sent_in_flight=2, sent_at_limit=2) is None
     assert ctl.limit == 4 and not ctl.history

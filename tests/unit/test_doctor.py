@@ -10,8 +10,9 @@ from batchrun.sim import SimConfig, SimModel, SimTransport
 
 
 async def _checks(config: SimConfig, **spec: object) -> dict[str, tuple[bool | None, str]]:
-    found = await diagnose(resolve({"base_url": "http://sim.test/v1", **spec}),
-                           SimTransport(SimModel(config)))  # fmt: skip
+    found = await diagnose(
+        resolve({"base_url": "http://sim.test/v1", **spec}), SimTransport(SimModel(config))
+    )
     assert render(found)
     return {c.name: (c.ok, c.detail) for c in found}
 
@@ -21,9 +22,16 @@ async def test_a_full_featured_server_passes_every_check() -> None:
     checks = await _checks(SimConfig())
     assert all(ok for ok, _ in checks.values()), checks
     assert list(checks) == [
-        "reachable", "API key", "model", "chat", "usage (not streamed)", "streaming",
-        "usage (streamed)", "completions", "JSON schema",
-    ]  # fmt: skip
+        "reachable",
+        "API key",
+        "model",
+        "chat",
+        "usage (not streamed)",
+        "streaming",
+        "usage (streamed)",
+        "completions",
+        "JSON schema",
+    ]
     assert checks["JSON schema"][1] == "accepted and enforced (json_schema)"
 
 

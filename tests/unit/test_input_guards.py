@@ -125,8 +125,9 @@ def test_max_chars_ignores_meta_and_request_fields(tmp_path: Path) -> None:
 
 
 def test_max_chars_applies_to_completions_and_batch_lines(tmp_path: Path) -> None:
-    assert item(read_line(tmp_path, {"prompt": "x" * 20}, endpoint="completions",
-                          max_input_chars=20))  # fmt: skip
+    assert item(
+        read_line(tmp_path, {"prompt": "x" * 20}, endpoint="completions", max_input_chars=20)
+    )
     entry = bad(
         read_line(tmp_path, {"prompt": "x" * 21}, endpoint="completions", max_input_chars=20)
     )
@@ -183,8 +184,9 @@ def test_both_limits_together(tmp_path: Path) -> None:
     assert item(read_line(tmp_path, {"prompt": "x" * 80}, **limits))
     by_tokens = bad(read_line(tmp_path, {"prompt": "x" * 81}, **limits))
     assert "--max-input-tokens 20" in by_tokens.reason
-    by_chars = bad(read_line(tmp_path, {"prompt": "x" * 101}, max_input_chars=100,
-                             max_input_tokens=1000))  # fmt: skip
+    by_chars = bad(
+        read_line(tmp_path, {"prompt": "x" * 101}, max_input_chars=100, max_input_tokens=1000)
+    )
     assert "--max-input-chars 100" in by_chars.reason
 
 

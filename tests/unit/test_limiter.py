@@ -60,8 +60,7 @@ def test_pacer_spaces_requests_at_the_refill_rate_once_the_budget_runs_low() -> 
     pacer = Pacer(in_flight=10)
 
     def told(remaining: int, reset: float) -> None:
-        rate = RateInfo(remaining_requests=remaining, reset_requests_s=reset,
-                        limit_requests=3000)  # fmt: skip
+        rate = RateInfo(remaining_requests=remaining, reset_requests_s=reset, limit_requests=3000)
         pacer.succeeded(0.0, estimated_tokens=10, used_tokens=None, rate=rate)
 
     told(2500, 10.0)  # plenty left: no spacing

@@ -82,8 +82,16 @@ def test_native_done_record_field_by_field(tmp_path: Path) -> None:
 
 def unfinished_row(**overrides: Any) -> dict[str, Any]:
     """A row with no answer (failed or rejected): every result field empty."""
-    empty = dict(output=None, parsed=None, finish_reason=None, prompt_tokens=None,
-                 completion_tokens=None, latency_ms=None, ttft_ms=None, meta=None)  # fmt: skip
+    empty = dict(
+        output=None,
+        parsed=None,
+        finish_reason=None,
+        prompt_tokens=None,
+        completion_tokens=None,
+        latency_ms=None,
+        ttft_ms=None,
+        meta=None,
+    )
     return make_row(**{**empty, **overrides})
 
 

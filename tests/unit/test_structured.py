@@ -106,8 +106,13 @@ def test_simulated_valid_answers_validate_and_the_faulty_styles_do_not(seed: int
     rng = random.Random(seed)
     assert valid(instance(SCHEMA, rng))
     check = SchemaCheck(SCHEMA)
-    for style, ok in [("valid", True), ("fenced", True), ("prose", True),
-                      ("broken", False), ("violating", False)]:  # fmt: skip
+    for style, ok in [
+        ("valid", True),
+        ("fenced", True),
+        ("prose", True),
+        ("broken", False),
+        ("violating", False),
+    ]:
         assert check.check(json_text(SCHEMA, style, rng), "stop").ok is ok, style
 
 
@@ -178,8 +183,7 @@ async def test_a_repair_fixes_broken_and_violating_answers_and_its_cost_is_count
     assert [r["status"] for r in result] == ["done"] * 5
     assert all(valid(json.loads(r["parsed"])) for r in result)
     assert [r["repairs"] for r in result] == [1] * 5
-    assert all(r["repair_prompt_tokens"] > 0 and r["repair_completion_tokens"] > 0
-               for r in result)  # fmt: skip
+    assert all(r["repair_prompt_tokens"] > 0 and r["repair_completion_tokens"] > 0 for r in result)
     repairs = [b for b in transport.bodies if len(b["messages"]) == 3]
     assert len(repairs) == 5 and all(b["messages"][1]["role"] == "assistant" for b in repairs)
     assert stats.repairs == 5 and stats.retries == 0
@@ -273,8 +277,9 @@ async def test_truncated_answers_are_invalid_with_a_schema_and_done_without(
     )
     result = rows(ledger)
     assert [r["status"] for r in result] == ["invalid"] * 4
-    assert all(r["finish_reason"] == "length" and r["error"].startswith("truncated")
-               for r in result)  # fmt: skip
+    assert all(
+        r["finish_reason"] == "length" and r["error"].startswith("truncated") for r in result
+    )
     ledger, _stats, _ = await run(tmp_path / "b", 4, sim(), max_tokens=3)
     result = rows(ledger)
     assert [r["status"] for r in result] == ["done"] * 4
@@ -285,9 +290,14 @@ async def test_truncated_answers_are_invalid_with_a_schema_and_done_without(
 async def test_retry_longer_doubles_max_tokens_until_the_answer_fits(tmp_path: Path) -> None:
     transport = sim()
     ledger, stats, _ = await run(
-        tmp_path, 3, transport, schema=schema_file(tmp_path), max_tokens=2,
-        on_truncate="retry-longer", max_tokens_cap=4096,
-    )  # fmt: skip
+        tmp_path,
+        3,
+        transport,
+        schema=schema_file(tmp_path),
+        max_tokens=2,
+        on_truncate="retry-longer",
+        max_tokens_cap=4096,
+    )
     result = rows(ledger)
     assert [r["status"] for r in result] == ["done"] * 3
     assert all(r["finish_reason"] == "stop" for r in result)
@@ -300,9 +310,14 @@ async def test_retry_longer_doubles_max_tokens_until_the_answer_fits(tmp_path: P
 async def test_retry_longer_stops_at_the_cap(tmp_path: Path) -> None:
     transport = sim()
     ledger, _stats, _ = await run(
-        tmp_path, 2, transport, schema=schema_file(tmp_path), max_tokens=2,
-        on_truncate="retry-longer", max_tokens_cap=5,
-    )  # fmt: skip
+        tmp_path,
+        2,
+        transport,
+        schema=schema_file(tmp_path),
+        max_tokens=2,
+        on_truncate="retry-longer",
+        max_tokens_cap=5,
+    )
     result = rows(ledger)
     assert [r["status"] for r in result] == ["invalid"] * 2
     assert all(r["error"].startswith("truncated") for r in result)
@@ -366,9 +381,11 @@ def test_a_line_with_an_unusable_schema_is_refused_by_line_number(tmp_path: Path
 @pytest.mark.anyio
 async def test_each_line_is_validated_against_its_own_schema(tmp_path: Path) -> None:
     other = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-    lines = [{"id": "a", "prompt": "p1", "schema": SCHEMA},
-             {"id": "b", "prompt": "p2", "schema": other},
-             {"id": "c", "prompt": "p3"}]  # fmt: skip
+    lines = [
+        {"id": "a", "prompt": "p1", "schema": SCHEMA},
+        {"id": "b", "prompt": "p2", "schema": other},
+        {"id": "c", "prompt": "p3"},
+    ]
     ledger = _job_from_lines(tmp_path, lines)
     transport = sim()
     job = ledger.get_job("j")
@@ -377,10 +394,14 @@ async def test_each_line_is_validated_against_its_own_schema(tmp_path: Path) -> 
 
     fake = FakeTime()
     await jobs.run_job(
-        ledger, Home.at(tmp_path, None), "j", jobs.job_spec(job),
-        transport=transport, settings=RunnerSettings(sleep=fake.sleep, clock=fake.clock),
+        ledger,
+        Home.at(tmp_path, None),
+        "j",
+        jobs.job_spec(job),
+        transport=transport,
+        settings=RunnerSettings(sleep=fake.sleep, clock=fake.clock),
         handle_signals=False,
-    )  # fmt: skip
+    )
     result = {r["item_id"]: r for r in rows(ledger)}
     assert result["a"]["status"] == "done" and valid(json.loads(result["a"]["parsed"]))
     assert result["b"]["status"] == "done" and "city" in json.loads(result["b"]["parsed"])
@@ -434,8 +455,10 @@ async def test_a_failed_follow_up_keeps_the_answer_the_item_had(tmp_path: Path) 
     result = rows(ledger)
     assert [r["status"] for r in result] == ["invalid"] * 3
     assert all(r["output"] and r["parsed"] is not None for r in result)
-    assert all(r["error"].startswith("schema violation") and "context too long" in r["error"]
-               for r in result)  # fmt: skip
+    assert all(
+        r["error"].startswith("schema violation") and "context too long" in r["error"]
+        for r in result
+    )
     assert [r["repairs"] for r in result] == [1, 1, 1]
     assert stats.guided_refused is None
 
@@ -463,10 +486,14 @@ async def test_one_lines_refused_schema_leaves_the_others_guided(tmp_path: Path)
 
     fake = FakeTime()
     stats = await jobs.run_job(
-        ledger, Home.at(tmp_path, None), "j", jobs.job_spec(job),
-        transport=transport, settings=RunnerSettings(sleep=fake.sleep, clock=fake.clock),
+        ledger,
+        Home.at(tmp_path, None),
+        "j",
+        jobs.job_spec(job),
+        transport=transport,
+        settings=RunnerSettings(sleep=fake.sleep, clock=fake.clock),
         handle_signals=False,
-    )  # fmt: skip
+    )
     result = {r["item_id"]: r for r in rows(ledger)}
     # unguided, the simulated model answers with the job's schema, not the odd one
     assert result["odd"]["status"] == "invalid" and "'x'" in result["odd"]["error"]

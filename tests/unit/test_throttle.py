@@ -123,10 +123,14 @@ async def run_sim(
     spec = resolve({"backend": "sim", **options})
     jobs.create_job(ledger, "j", path, spec)
     stats = await jobs.run_job(
-        ledger, home, "j", spec,
+        ledger,
+        home,
+        "j",
+        spec,
         transport=SimTransport(SimModel(config)),
-        settings=RunnerSettings(drain_timeout=0.0), handle_signals=False,
-    )  # fmt: skip
+        settings=RunnerSettings(drain_timeout=0.0),
+        handle_signals=False,
+    )
     assert stats.by_status == {"done": n}
     return [json.loads(line) for line in (tmp_path / "logs" / "j.log").read_text().splitlines()]
 
@@ -172,9 +176,14 @@ async def test_server_metrics_off_is_not_read(tmp_path: Path) -> None:
     jobs.create_job(ledger, "j", path, spec)
     with anyio.fail_after(30):
         await jobs.run_job(
-            ledger, home, "j", spec, transport=Counting(SimModel(config)),
-            settings=RunnerSettings(drain_timeout=0.0), handle_signals=False,
-        )  # fmt: skip
+            ledger,
+            home,
+            "j",
+            spec,
+            transport=Counting(SimModel(config)),
+            settings=RunnerSettings(drain_timeout=0.0),
+            handle_signals=False,
+        )
     assert "/metrics" not in reads and len(reads) >= 20
 
 
