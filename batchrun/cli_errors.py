@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
-from batchrun.errors import BatchrunError, FatalError
+from batchrun.errors import BatchrunError, FatalError, OptionError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -42,6 +42,11 @@ def show(text: str) -> None:
     click.echo(printable(text))
 
 
+def flag(key: str) -> str:
+    """The command-line flag of a run option's key: max_attempts is --max-attempts."""
+    return "--" + key.replace("_", "-")
+
+
 def errors_to_exit_codes(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -50,6 +55,9 @@ def errors_to_exit_codes(fn: F) -> F:
         except FatalError as exc:
             say(f"aborted: {exc}")
             sys.exit(EXIT_ABORTED)
+        except OptionError as exc:  # named by the flags that set them
+            say(f"error: {exc.naming(flag)}")
+            sys.exit(EXIT_USAGE)
         except BatchrunError as exc:
             say(f"error: {exc}")
             sys.exit(EXIT_USAGE)

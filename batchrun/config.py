@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchrun.errors import UsageError
+from batchrun.errors import OptionError, UsageError
 
 ENDPOINTS = ("chat", "completions")
 ON_TRUNCATE = ("fail", "retry-longer")
@@ -153,7 +153,7 @@ def _coerce(name: str, value: Any) -> Any:
         elif value.strip().lower() == "auto":
             return "auto"
         else:
-            raise UsageError(f"--concurrency must be a number or auto, got {value!r}")
+            raise OptionError(f"{{concurrency}} must be a number or auto, got {value!r}")
     checks: dict[str, tuple[type, ...]] = {
         "int": (int,),
         "float": (int, float),
@@ -164,7 +164,7 @@ def _coerce(name: str, value: Any) -> Any:
     base = str(kind).split(" |")[0].split("[")[0]
     allowed = checks.get(base)
     if allowed and (not isinstance(value, allowed) or (base != "bool" and isinstance(value, bool))):
-        raise UsageError(f"option {name!r} must be {base}, got {value!r}")
+        raise OptionError(f"{{{name}}} must be {base}, got {value!r}")
     if base == "float":
         return float(value)
     return value
@@ -207,9 +207,9 @@ def resolve(*layers: dict[str, Any], endpoint_required: bool = True) -> RunSpec:
         _validate(spec, None)
         return spec
     if backend is None:
-        raise UsageError(
-            "no endpoint chosen: give --backend NAME (one of "
-            f"{', '.join(sorted(PRESETS))}) or --base-url URL"
+        raise OptionError(
+            "no endpoint chosen: give {backend} NAME (one of "
+            f"{', '.join(sorted(PRESETS))}) or {{base_url}} URL"
         )
     preset = PRESETS.get(backend)
     if preset is None:
@@ -217,7 +217,7 @@ def resolve(*layers: dict[str, Any], endpoint_required: bool = True) -> RunSpec:
     merged["backend"] = backend
     if not merged.get("base_url"):
         if not preset.base_url:
-            raise UsageError("--backend custom needs --base-url")
+            raise OptionError("{backend} custom needs {base_url}")
         merged["base_url"] = preset.base_url
     merged["base_url"] = str(merged["base_url"]).rstrip("/")
     merged.setdefault("api_key_env", preset.api_key_env)
@@ -228,32 +228,34 @@ def resolve(*layers: dict[str, Any], endpoint_required: bool = True) -> RunSpec:
 
 def _validate(spec: RunSpec, preset: Preset | None) -> None:
     if spec.endpoint not in ENDPOINTS:
-        raise UsageError(f"--endpoint must be chat or completions, got {spec.endpoint!r}")
+        raise OptionError(f"{{endpoint}} must be chat or completions, got {spec.endpoint!r}")
     if isinstance(spec.concurrency, int) and spec.concurrency < 1:
-        raise UsageError("--concurrency must be at least 1")
+        raise OptionError("{concurrency} must be at least 1")
     if spec.max_concurrency < 1:
-        raise UsageError("--max-concurrency must be at least 1")
+        raise OptionError("{max_concurrency} must be at least 1")
     metrics = spec.server_metrics
     if metrics not in ("auto", "off") and not metrics.startswith(("http://", "https://")):
-        raise UsageError(f"--server-metrics must be auto, off or an http(s) URL, got {metrics!r}")
+        raise OptionError(
+            f"{{server_metrics}} must be auto, off or an http(s) URL, got {metrics!r}"
+        )
     for name in ("rpm", "tpm"):
         value = getattr(spec, name)
         if value is not None and value <= 0:
-            raise UsageError(f"--{name} must be positive")
+            raise OptionError(f"{{{name}}} must be positive")
     if spec.max_attempts < 1:
-        raise UsageError("--max-attempts must be at least 1")
+        raise OptionError("{max_attempts} must be at least 1")
     if spec.repair_attempts < 0:
-        raise UsageError("--repair-attempts must be 0 or more")
+        raise OptionError("{repair_attempts} must be 0 or more")
     if spec.on_truncate not in ON_TRUNCATE:
-        raise UsageError(f"--on-truncate must be one of {', '.join(ON_TRUNCATE)}")
+        raise OptionError(f"{{on_truncate}} must be one of {', '.join(ON_TRUNCATE)}")
     if spec.max_tokens_cap < 1:
-        raise UsageError("--max-tokens-cap must be at least 1")
+        raise OptionError("{max_tokens_cap} must be at least 1")
     if spec.timeout <= 0:
-        raise UsageError("--timeout must be positive")
+        raise OptionError("{timeout} must be positive")
     if preset is not None and preset.key_required and spec.api_key() is None:
-        raise UsageError(
+        raise OptionError(
             f"backend {preset.name} needs an API key: set the environment variable "
-            f"{spec.api_key_env} (or name another with --api-key-env)"
+            f"{spec.api_key_env} (or name another with {{api_key_env}})"
         )
 
 

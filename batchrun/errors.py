@@ -7,6 +7,9 @@ Transient errors are retried, Permanent ones fail one item, Fatal ones stop the 
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 
 class BatchrunError(Exception):
     """Root of every error batchrun raises on purpose."""
@@ -104,6 +107,19 @@ class EndpointDown(FatalError):
 
 class UsageError(BatchrunError):
     """A problem with how batchrun was invoked or configured (exit code 2)."""
+
+
+class OptionError(UsageError):
+    """A run option is wrong. The message names options as `{key}`: said by the library as the
+    key (`max_attempts`, as the API and spec files take it), by the CLI as its flag."""
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        super().__init__(self.naming(lambda key: key))
+
+    def naming(self, name: Callable[[str], str]) -> str:
+        """The message with each `{key}` written as `name(key)`."""
+        return re.sub(r"\{([a-z_]+)\}", lambda m: name(m.group(1)), self.template)
 
 
 class InputError(BatchrunError):

@@ -22,6 +22,7 @@ from batchrun.errors import (
     FatalError,
     JobExists,
     LedgerError,
+    OptionError,
     RequestError,
     UsageError,
 )
@@ -134,10 +135,10 @@ def check_input_unchanged(job: Job, *, allow: bool) -> str | None:
         return None
     if allow:
         return f"input file {path} changed since submit; resuming the requests stored then"
-    raise UsageError(
+    raise OptionError(
         f"input file {path} changed since job {job.name!r} was submitted; resume would send "
         "the requests stored at submit time, not the new file. Submit the new file as a new "
-        "job, or pass --allow-changed-input to resume anyway"
+        "job, or pass {allow_changed_input} to resume anyway"
     )
 
 

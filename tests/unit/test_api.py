@@ -139,3 +139,17 @@ async def test_each_auth_style_reaches_a_server_that_checks_the_key(auth: str) -
     none = OpenAICompatBackend("http://sim/v1", api_key="sk-test-123", auth="none", transport=sim)
     with pytest.raises(AuthFailed):
         await none.complete(request)
+
+
+def test_option_errors_name_the_key_in_python_and_the_flag_on_the_command_line(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(batchrun.UsageError, match=r"^max_attempts must be at least 1$"):
+        batchrun.submit(rows(2), home=tmp_path, backend="sim", max_attempts=0)
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"prompt": "p"}) + "\n")
+    said = CliRunner().invoke(
+        main,
+        ["--home", str(tmp_path), "submit", str(path), "--backend", "sim", "--concurrency", "0"],
+    )
+    assert said.exit_code == 2 and "error: --concurrency must be at least 1" in said.stderr

@@ -9,8 +9,9 @@ from typing import Any
 import orjson
 import pytest
 
+from batchrun.cli_errors import flag
 from batchrun.config import PRESETS, RunSpec, load_spec_file, preset_for, resolve
-from batchrun.errors import UsageError
+from batchrun.errors import OptionError, UsageError
 
 KEY_VARS = (
     "VLLM_API_KEY",
@@ -147,13 +148,18 @@ def test_base_url_alone_means_custom() -> None:
 
 @pytest.mark.parametrize("layers", [(), ({},), ({"model": "m", "concurrency": 2},)])
 def test_no_backend_and_no_base_url_is_a_usage_error(layers: tuple[dict[str, Any], ...]) -> None:
-    with pytest.raises(UsageError, match="--backend"):
+    with pytest.raises(OptionError, match="give backend NAME") as info:
         resolve(*layers)
+    # the CLI says the same with its flags
+    assert "give --backend NAME" in info.value.naming(
+        flag
+    ) and "--base-url URL" in info.value.naming(flag)
 
 
 def test_custom_backend_needs_base_url() -> None:
-    with pytest.raises(UsageError, match="--base-url"):
+    with pytest.raises(OptionError, match="backend custom needs base_url") as info:
         resolve({"backend": "custom"})
+    assert info.value.naming(flag) == "--backend custom needs --base-url"
 
 
 def test_unknown_backend() -> None:
@@ -218,7 +224,7 @@ def test_int_is_accepted_for_float_options_and_becomes_float() -> None:
     [
         ("endpoint", "embeddings", "endpoint"),
         ("concurrency", 0, "concurrency"),
-        ("max_attempts", 0, "max-attempts"),
+        ("max_attempts", 0, "max_attempts must be at least 1"),
         ("timeout", 0, "timeout"),
         ("timeout", -1.5, "timeout"),
     ],
@@ -439,9 +445,9 @@ def test_structured_output_options_are_checked() -> None:
     assert PRESETS["llamacpp"].guided_style == "json_object"
     assert PRESETS["vllm"].guided_style == "json_schema"
     for bad, message in [
-        ({"on_truncate": "grow"}, "--on-truncate"),
-        ({"repair_attempts": -1}, "--repair-attempts"),
-        ({"max_tokens_cap": 0}, "--max-tokens-cap"),
+        ({"on_truncate": "grow"}, "on_truncate"),
+        ({"repair_attempts": -1}, "repair_attempts"),
+        ({"max_tokens_cap": 0}, "max_tokens_cap"),
     ]:
         with pytest.raises(UsageError, match=message):
             resolve({"backend": "vllm", **bad})
