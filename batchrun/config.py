@@ -77,9 +77,49 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+# The spec's parts, for the layers that need only one: the input reader takes the guards, the
+# throttle the pacing, the retry policy the retries (the backend is built from the endpoint
+# fields in backends/build.py, the output rules from the output fields in jobs.py).
+
+
+@dataclass(frozen=True)
+class InputGuards:
+    """What a line may be before it is refused, checked when the file is loaded."""
+
+    max_line_bytes: int = 1_000_000
+    max_input_chars: int | None = None
+    max_input_tokens: int | None = None  # estimated at 4 characters a token
+
+
+@dataclass(frozen=True)
+class Pacing:
+    """How many requests go at once, and how fast."""
+
+    concurrency: int | str = "auto"  # "auto": the adaptive controller (controller.py), or a number
+    max_concurrency: int = 256  # the most "auto" may reach
+    rpm: float | None = None  # client-side pacing: requests per minute
+    tpm: float | None = None  # ... and tokens per minute (estimated, corrected by usage)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.concurrency == "auto"
+
+    @property
+    def most_in_flight(self) -> int:
+        """Requests that may ever be in flight at once: workers, connections, claims."""
+        return self.max_concurrency if isinstance(self.concurrency, str) else self.concurrency
+
+
+@dataclass(frozen=True)
+class Retries:
+    max_attempts: int = 5  # requests per item, at most
+    outage_timeout: float = 60.0  # seconds the endpoint may stay down before the job stops
+
+
 @dataclass(frozen=True)
 class RunSpec:
-    """Everything that decides how a job's requests are built and sent."""
+    """Every run option, flat, under the names the CLI, spec files and the API share: what is
+    merged, checked and stored with the job. Its parts (above) are what layers take."""
 
     backend: str = "custom"
     base_url: str = ""
@@ -111,13 +151,24 @@ class RunSpec:
     sim_options: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def guards(self) -> InputGuards:
+        return InputGuards(self.max_line_bytes, self.max_input_chars, self.max_input_tokens)
+
+    @property
+    def pacing(self) -> Pacing:
+        return Pacing(self.concurrency, self.max_concurrency, self.rpm, self.tpm)
+
+    @property
+    def retries(self) -> Retries:
+        return Retries(self.max_attempts, self.outage_timeout)
+
+    @property
     def adaptive(self) -> bool:
-        return self.concurrency == "auto"
+        return self.pacing.adaptive
 
     @property
     def most_in_flight(self) -> int:
-        """Requests that may ever be in flight at once: workers, connections, claims."""
-        return self.max_concurrency if isinstance(self.concurrency, str) else self.concurrency
+        return self.pacing.most_in_flight
 
     def request_defaults(self) -> dict[str, Any]:
         """Body fields every request gets unless its input line overrides them."""

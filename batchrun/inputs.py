@@ -16,6 +16,7 @@ from typing import IO, Any
 
 import orjson
 
+from batchrun.config import InputGuards
 from batchrun.errors import UsageError
 from batchrun.ledger.records import BadLine, InputItem
 from batchrun.validate import response_format, schema_of, schema_problem
@@ -76,6 +77,9 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+NO_GUARDS = InputGuards()  # the defaults: lines up to 1 MB, prompts of any length
+
+
 class InputReader:
     """Iterates an input file as InputItem / BadLine, gathering stats as it goes."""
 
@@ -85,16 +89,14 @@ class InputReader:
         *,
         endpoint: str = "chat",
         defaults: dict[str, Any] | None = None,
-        max_line_bytes: int = 1_000_000,
-        max_input_chars: int | None = None,
-        max_input_tokens: int | None = None,
+        guards: InputGuards = NO_GUARDS,
     ) -> None:
         self.path = path
         self.endpoint = endpoint
         self.defaults = defaults or {}
-        self.max_line_bytes = max_line_bytes
-        self.max_input_chars = max_input_chars
-        self.max_input_tokens = max_input_tokens
+        self.max_line_bytes = guards.max_line_bytes
+        self.max_input_chars = guards.max_input_chars
+        self.max_input_tokens = guards.max_input_tokens
         self.stats = ReadStats()
         self._good_schemas: set[bytes] = set()
 

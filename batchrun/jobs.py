@@ -81,12 +81,7 @@ def job_spec(job: Job) -> RunSpec:
 def create_job(ledger: Ledger, name: str, input_path: Path, spec: RunSpec) -> IngestReport:
     """Load the input into a new job, all or nothing (bad lines refuse it unless skipped)."""
     reader = InputReader(
-        input_path,
-        endpoint=spec.endpoint,
-        defaults=spec.request_defaults(),
-        max_line_bytes=spec.max_line_bytes,
-        max_input_chars=spec.max_input_chars,
-        max_input_tokens=spec.max_input_tokens,
+        input_path, endpoint=spec.endpoint, defaults=spec.request_defaults(), guards=spec.guards
     )
     report = ledger.create_job(
         name,

@@ -25,7 +25,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from batchrun.backends import Backend
 from batchrun.config import RunSpec
-from batchrun.controller import Change, ConcurrencyController
+from batchrun.controller import Change
 from batchrun.errors import (
     BatchrunError,
     JobBusy,
@@ -33,7 +33,6 @@ from batchrun.errors import (
     OutputError,
 )
 from batchrun.ledger import ClaimedItem, ItemResult, Ledger
-from batchrun.limiter import Pacer
 from batchrun.progress import JobLog, Progress
 from batchrun.retry import OutageWatch, RetryPolicy
 from batchrun.run_state import RunnerSettings, RunStats
@@ -70,22 +69,12 @@ class Runner:
         self.settings = settings or RunnerSettings()
         self.owner = uuid.uuid4().hex
         self.stats = RunStats()
-        self.outage = OutageWatch(spec.outage_timeout, clock=self.settings.clock)
-        self.policy = RetryPolicy(spec.max_attempts, self.outage, sleep=self.settings.sleep)
+        retries, pacing = spec.retries, spec.pacing
+        self.outage = OutageWatch(retries.outage_timeout, clock=self.settings.clock)
+        self.policy = RetryPolicy(retries.max_attempts, self.outage, sleep=self.settings.sleep)
         self._db_lock = anyio.CapacityLimiter(1)
-        controller = (
-            ConcurrencyController(initial=2, maximum=spec.max_concurrency)
-            if spec.adaptive
-            else None
-        )
-        pacer = Pacer(rpm=spec.rpm, tpm=spec.tpm)
-        self.throttle = Throttle(
-            pacer,
-            controller=controller,
-            fixed=spec.most_in_flight,
-            clock=self.settings.clock,
-            sleep=self.settings.sleep,
-            on_change=self._adjust,
+        self.throttle = Throttle.for_pacing(
+            pacing, clock=self.settings.clock, sleep=self.settings.sleep, on_change=self._adjust
         )
         self._server_load = server_load
         self._limit_log: deque[tuple[float, int, str]] = deque(maxlen=20)

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 
 from batchrun.backends.base import Completion
+from batchrun.config import Pacing
 from batchrun.controller import Change, ConcurrencyController
 from batchrun.errors import (
     ConnectionFailed,
@@ -56,6 +57,27 @@ class Throttle:
         self._on_change = on_change
         self._slots = anyio.CapacityLimiter(controller.admitted if controller else fixed)
         pacer.in_flight = self.limit
+
+    @classmethod
+    def for_pacing(
+        cls,
+        pacing: Pacing,
+        *,
+        clock: Clock,
+        sleep: Sleep = anyio.sleep,
+        on_change: Callable[[Change], None] | None = None,
+    ) -> Throttle:
+        """A job's throttle: adaptive from 2 up to `max_concurrency`, or fixed; rpm/tpm paced."""
+        controller = (
+            ConcurrencyController(initial=2, maximum=pacing.max_concurrency)
+            if pacing.adaptive
+            else None
+        )
+        pacer = Pacer(rpm=pacing.rpm, tpm=pacing.tpm)
+        fixed = pacing.most_in_flight
+        return cls(
+            pacer, controller=controller, fixed=fixed, clock=clock, sleep=sleep, on_change=on_change
+        )
 
     @property
     def limit(self) -> int:

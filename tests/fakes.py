@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+from typing import Any
+
 import anyio
+
+from batchrun.config import InputGuards
+from batchrun.inputs import InputReader
 
 
 class FakeTime:
@@ -23,3 +30,11 @@ class FakeTime:
         self.sleeps.append(seconds)
         self.now += seconds
         await anyio.lowlevel.checkpoint()
+
+
+def input_reader(path: Path, **options: Any) -> InputReader:
+    """An InputReader with the guards given as plain keywords (max_input_chars=10, ...)."""
+    names = {f.name for f in dataclasses.fields(InputGuards)}
+    guards = InputGuards(**{k: v for k, v in options.items() if k in names})
+    rest = {k: v for k, v in options.items() if k not in names}
+    return InputReader(path, guards=guards, **rest)

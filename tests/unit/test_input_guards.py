@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from batchrun.inputs import BadLine, InputItem, InputReader, estimate_tokens
+from tests.fakes import input_reader
 
 
 def read_line(tmp_path: Path, line: str | dict[str, Any], **kwargs: Any) -> InputItem | BadLine:
@@ -17,7 +18,7 @@ def read_line(tmp_path: Path, line: str | dict[str, Any], **kwargs: Any) -> Inpu
     text = line if isinstance(line, str) else json.dumps(line)
     path = tmp_path / "in.jsonl"
     path.write_text(text + "\n", encoding="utf-8")
-    entries = list(InputReader(path, **kwargs))
+    entries = list(input_reader(path, **kwargs))
     assert len(entries) == 1
     return entries[0]
 
@@ -194,7 +195,7 @@ def test_limits_report_each_line_by_number(tmp_path: Path) -> None:
     path = tmp_path / "in.jsonl"
     lines = [{"id": str(i), "prompt": "x" * (5 + i)} for i in range(10)]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
-    entries = list(InputReader(path, max_input_chars=9))
+    entries = list(input_reader(path, max_input_chars=9))
     assert [type(e).__name__ for e in entries] == ["InputItem"] * 5 + ["BadLine"] * 5
     assert [e.line for e in entries if isinstance(e, BadLine)] == [6, 7, 8, 9, 10]
 

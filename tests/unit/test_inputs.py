@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from batchrun.errors import UsageError
 from batchrun.inputs import BadLine, InputItem, InputReader
+from tests.fakes import input_reader
 
 
 def write_lines(path: Path, lines: list[Any], *, newline: str = "\n") -> Path:
@@ -25,7 +26,7 @@ def write_lines(path: Path, lines: list[Any], *, newline: str = "\n") -> Path:
 
 
 def read_all(path: Path, **kwargs: Any) -> tuple[InputReader, list[InputItem | BadLine]]:
-    reader = InputReader(path, **kwargs)
+    reader = input_reader(path, **kwargs)
     return reader, list(reader)
 
 
@@ -561,7 +562,7 @@ def check_any_file(content: bytes) -> None:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "in.jsonl"
         path.write_bytes(content)
-        reader = InputReader(path, max_line_bytes=64)
+        reader = input_reader(path, max_line_bytes=64)
         entries = list(reader)
     numbers = [e.line for e in entries]
     assert all(isinstance(e, (InputItem, BadLine)) for e in entries)
