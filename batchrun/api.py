@@ -131,7 +131,7 @@ async def submit_async(
                 loaded, rejected = made.accepted, made.rejected
                 _say(on_message, _loaded(name, made.accepted, made.rejected, made.blank_lines))
         if existing is not None:
-            if not verbs.same_input(existing, path):
+            if not await anyio.to_thread.run_sync(verbs.same_input, existing, path):
                 raise UsageError(
                     f"job {name!r} exists and was made from a different input "
                     f"({existing.input_path}); use another job name"
@@ -282,7 +282,8 @@ async def _run(
         _say(on_message, f"job {name} has nothing left to do")
     found = led.get_job(name)
     final_spec = verbs.job_spec(found) if found else spec
-    counts, complete = verbs.finish(led, where, name, final_spec)
+    # the results file is written here: off the event loop, which may be the caller's
+    counts, complete = await anyio.to_thread.run_sync(verbs.finish, led, where, name, final_spec)
     output = where.output_path(name) if complete else None
     return JobReport(name, counts, complete, output, stats=stats)
 

@@ -205,19 +205,30 @@ def _coerce(name: str, value: Any) -> Any:
             return "auto"
         else:
             raise OptionError(f"{{concurrency}} must be a number or auto, got {value!r}")
-    checks: dict[str, tuple[type, ...]] = {
-        "int": (int,),
-        "float": (int, float),
-        "bool": (bool,),
-        "str": (str,),
-        "dict": (dict,),
-    }
-    base = str(kind).split(" |")[0].split("[")[0]
-    allowed = checks.get(base)
-    if allowed and (not isinstance(value, allowed) or (base != "bool" and isinstance(value, bool))):
-        raise OptionError(f"{{{name}}} must be {base}, got {value!r}")
-    if base == "float":
+    return checked(f"{{{name}}}", value, str(kind).split(" |")[0].split("[")[0])
+
+
+# What a value of each kind may be given as (a float as an int too; a bool is never a number).
+ACCEPTED: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "str": (str,),
+    "dict": (dict,),
+    "tuple": (list, tuple),
+}
+
+
+def checked(label: str, value: Any, kind: str) -> Any:
+    """`value` as a `kind` ("int", "float"...), or an OptionError naming `label`: the one type
+    check for run options, spec files and simulator options alike."""
+    allowed = ACCEPTED.get(kind)
+    if allowed and (not isinstance(value, allowed) or (kind != "bool" and isinstance(value, bool))):
+        raise OptionError(f"{label} must be {kind}, got {value!r}")
+    if kind == "float":
         return float(value)
+    if kind == "tuple":
+        return tuple(value)
     return value
 
 

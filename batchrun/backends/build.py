@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 from batchrun.backends.base import Backend, Transport, auth_headers
 from batchrun.backends.metrics_reader import MetricsReader
 from batchrun.backends.openai_compat import OpenAICompatBackend
-from batchrun.config import RunSpec, preset_for
+from batchrun.config import RunSpec, checked, preset_for
 from batchrun.errors import UsageError
 from batchrun.server_metrics import metrics_url
 from batchrun.sim import SimConfig, SimModel, SimTransport
@@ -63,26 +63,12 @@ def checked_key(spec: RunSpec) -> str | None:
 
 def sim_config(spec: RunSpec) -> SimConfig:
     """The in-process simulator's settings: defaults, then the spec's `sim_options`."""
-    options = {**SIM_DEFAULTS, **spec.sim_options}
     defaults = dataclasses.asdict(SimConfig())
-    accepted = {
-        float: (int, float),
-        int: (int,),
-        bool: (bool,),
-        tuple: (list, tuple),
-        dict: (dict,),
-    }
-    for key, value in options.items():
+    options: dict[str, Any] = {}
+    for key, value in {**SIM_DEFAULTS, **spec.sim_options}.items():
         if key not in defaults:
             raise UsageError(f"sim_options: unknown option {key!r} (known: {', '.join(defaults)})")
-        kind = type(defaults[key])
-        allowed = accepted.get(kind)
-        wrong_type = allowed is not None and not isinstance(value, allowed)
-        bool_for_number = isinstance(value, bool) and kind is not bool
-        if wrong_type or bool_for_number:
-            raise UsageError(f"sim_options: {key} must be {kind.__name__}, got {value!r}")
-    if isinstance(options.get("models"), list):
-        options["models"] = tuple(options["models"])
+        options[key] = checked(f"sim_options: {key}", value, type(defaults[key]).__name__)
     for key, known in (("faults", FAULT_KINDS), ("json_styles", JSON_STYLES)):
         try:
             check_rates(options.get(key, {}), known, key.rstrip("s").replace("_", " "))
