@@ -29,6 +29,7 @@ class Preset:
     api_key_env: str | None
     key_required: bool = False
     auth: str = "bearer"  # how the key is sent: a style in backends/base.py AUTH_STYLES
+    protocol: str = "openai"  # what it speaks: a backend in backends/build.py BACKENDS
     stream_options: bool = True  # accepts stream_options: {"include_usage": true}
     # How it takes a JSON Schema for constrained decoding: response_format type "json_schema"
     # (OpenAI, vLLM, SGLang, Groq, Ollama) or "json_object" with a "schema" (llama.cpp).

@@ -19,9 +19,13 @@ from batchrun.sim.json_answers import JSON_STYLES
 
 SIM_DEFAULTS: dict[str, Any] = {"ttft_ms": 20.0, "tpot_ms": 1.0}
 
+# The protocols a preset may speak (config.Preset.protocol), each a Backend; one so far.
+BACKENDS: dict[str, type[OpenAICompatBackend]] = {"openai": OpenAICompatBackend}
+
 
 def build_backend(spec: RunSpec, transport: Transport | None = None) -> Backend:
-    return OpenAICompatBackend(
+    """The backend the spec's preset speaks, for its endpoint, key and auth style."""
+    return BACKENDS[preset_for(spec).protocol](
         spec.base_url,
         api_key=checked_key(spec),
         auth=preset_for(spec).auth,
