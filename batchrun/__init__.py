@@ -12,7 +12,6 @@ __version__ = "0.1.0"  # before the imports: modules below read it
 
 from batchrun.api import (
     JobReport,
-    RunOptions,
     export,
     list_jobs,
     results,
@@ -23,7 +22,15 @@ from batchrun.api import (
     submit,
     submit_async,
 )
-from batchrun.errors import BatchrunError, FatalError, InputError, UsageError
+from batchrun.config import RunOptions
+from batchrun.errors import (
+    BatchrunError,
+    FatalError,
+    InputError,
+    LedgerError,
+    OutputError,
+    UsageError,
+)
 from batchrun.outputs import Result
 from batchrun.progress import ProgressUpdate
 
@@ -32,6 +39,8 @@ __all__ = [
     "FatalError",
     "InputError",
     "JobReport",
+    "LedgerError",
+    "OutputError",
     "ProgressUpdate",
     "Result",
     "RunOptions",

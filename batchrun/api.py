@@ -10,65 +10,31 @@ and `on_message` to hear how a run goes.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
-import tempfile
+import signal
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypedDict, TypeVar, Unpack
+from typing import Any, Unpack
 
 import anyio
-import orjson
 
 from batchrun import jobs as verbs
-from batchrun.config import RunSpec, load_spec_file
+from batchrun.config import RunOptions, RunSpec, load_spec_file
 from batchrun.errors import UsageError
-from batchrun.inputs import file_digest
 from batchrun.jobs import Home
-from batchrun.ledger import Job, Ledger
-from batchrun.outputs import Result, result_of
+from batchrun.ledger import Job, Ledger, shown_url
+from batchrun.outputs import FORMATS, Result, result_of
 from batchrun.progress import ProgressUpdate
+from batchrun.row_input import write_rows
 from batchrun.run_state import RunStats
-from batchrun.status import job_detail, jobs_table
+from batchrun.status_view import job_detail, jobs_table
 
-T = TypeVar("T")
 PathLike = str | os.PathLike[str]
-
-
-class RunOptions(TypedDict, total=False):
-    """Every run option, under the CLI's names; left out means the spec's or the default."""
-
-    backend: str
-    base_url: str
-    model: str
-    api_key_env: str  # the NAME of the variable that holds the key, never the key
-    endpoint: str  # "chat" or "completions"
-    stream: bool
-    concurrency: int | str  # a number, or "auto"
-    max_concurrency: int
-    server_metrics: str
-    rpm: float
-    tpm: float
-    max_attempts: int
-    timeout: float
-    outage_timeout: float
-    max_tokens: int
-    temperature: float
-    top_p: float
-    schema: str
-    guided: bool
-    repair_attempts: int
-    on_truncate: str
-    max_tokens_cap: int
-    skip_invalid: bool
-    redact: bool
-    max_line_bytes: int
-    max_input_chars: int
-    max_input_tokens: int
-    sim_options: dict[str, Any]
 
 
 OnProgress = Callable[[ProgressUpdate], None]  # after each group commit
@@ -105,6 +71,7 @@ async def submit_async(
     ledger: str | None = None,
     spec: PathLike | None = None,
     run: bool = True,
+    handle_signals: bool = False,
     on_progress: OnProgress | None = None,
     on_message: OnMessage | None = None,
     **options: Unpack[RunOptions],
@@ -112,11 +79,13 @@ async def submit_async(
     """Load `source` (a JSONL file, or rows as dicts) into a new job and run it to the end.
 
     The same input under the same job name resumes that job instead. Rows are written to
-    HOME/inputs/JOB.jsonl first (so a resume reads the same file); rows with no `job` name
-    make one from their content. With `run=False` the job is loaded and nothing is sent."""
-    where = Home.at(Path(home), ledger)
-    path, name = _input(source, where, job)
+    HOME/inputs/ first (so a resume reads the same file); rows with no `job` name are named
+    from their content and the options that shape the requests (model, sampling, schema,
+    endpoint). With `run=False` the job is loaded and nothing is sent. `handle_signals`: a
+    Ctrl-C or SIGTERM stops the run gracefully (main thread only; the sync verbs set it)."""
+    where = _home(home, ledger)
     layers = _layers(spec, options)
+    path, name = await anyio.to_thread.run_sync(_input, source, where, job, layers)
     with _ledger(where) as led:
         existing = led.get_job(name)
         run_spec = verbs.resolve_for_job(existing, *layers, endpoint_required=run)
@@ -138,9 +107,9 @@ async def submit_async(
                 )
             _say(on_message, f"job {name} exists for this file; {_left(led, name, run)}")
         if not run:
-            counts = led.counts(name)
-            return JobReport(name, counts, False, None, loaded, rejected or 0)
-        report = await _run(led, where, name, run_spec, on_progress, on_message)
+            return replace(_standing(led, where, name), loaded=loaded, rejected=rejected or 0)
+        listen = _Listen(handle_signals, on_progress, on_message)
+        report = await _run(led, where, name, run_spec, listen)
     return replace(report, loaded=loaded, rejected=rejected or 0)
 
 
@@ -151,20 +120,25 @@ async def resume_async(
     ledger: str | None = None,
     spec: PathLike | None = None,
     allow_changed_input: bool = False,
+    handle_signals: bool = False,
     on_progress: OnProgress | None = None,
     on_message: OnMessage | None = None,
     **options: Unpack[RunOptions],
 ) -> JobReport:
-    """Continue `job`: send every item that has no final record yet."""
-    where = Home.at(Path(home), ledger)
+    """Continue `job`: send every item that has no final record yet. The input guards
+    (skip_invalid, max_line_bytes, max_input_*) were applied when it was loaded; given here,
+    they change nothing."""
+    where = _home(home, ledger)
     with _ledger(where) as led:
         found = _job(led, where, job)
-        note = verbs.check_input_unchanged(found, allow=allow_changed_input)
+        changed = functools.partial(verbs.check_input_unchanged, allow=allow_changed_input)
+        note = await anyio.to_thread.run_sync(changed, found)
         if note:
             _say(on_message, note)
         run_spec = verbs.resolve_for_job(found, *_layers(spec, options))
-        report = await _run(led, where, found.name, run_spec, on_progress, on_message)
-    return replace(report, notes=(note,) if note else ())
+        listen = _Listen(handle_signals, on_progress, on_message)
+        report = await _run(led, where, found.name, run_spec, listen)
+    return replace(report, notes=(note, *report.notes) if note else report.notes)
 
 
 # --- the verbs, sync ---------------------------------------------------------------------------
@@ -182,7 +156,8 @@ def submit(
     on_message: OnMessage | None = None,
     **options: Unpack[RunOptions],
 ) -> JobReport:
-    """submit_async, run to its end in a new event loop (see there)."""
+    """submit_async, run to its end in a new event loop (see there); Ctrl-C and SIGTERM stop
+    it gracefully, then reach the caller as they would have (KeyboardInterrupt...)."""
     where = {"home": home, "ledger": ledger, "spec": spec}
     listen = {"on_progress": on_progress, "on_message": on_message}
     call = functools.partial(submit_async, source, job=job, run=run)
@@ -200,7 +175,7 @@ def resume(
     on_message: OnMessage | None = None,
     **options: Unpack[RunOptions],
 ) -> JobReport:
-    """resume_async, run to its end in a new event loop (see there)."""
+    """resume_async, run to its end in a new event loop (see there, and `submit`)."""
     where = {"home": home, "ledger": ledger, "spec": spec}
     listen = {"on_progress": on_progress, "on_message": on_message}
     call = functools.partial(resume_async, job, allow_changed_input=allow_changed_input)
@@ -209,21 +184,21 @@ def resume(
 
 def status(job: str, *, home: PathLike = ".", ledger: str | None = None) -> dict[str, Any]:
     """What `batchrun status JOB --json` prints: counts, endpoint, tokens, latencies, errors."""
-    where = Home.at(Path(home), ledger)
-    with _ledger(where) as led:
+    where = _home(home, ledger)
+    with _ledger(where, existing=True) as led:
         return job_detail(led, _job(led, where, job))
 
 
 def list_jobs(*, home: PathLike = ".", ledger: str | None = None) -> list[dict[str, Any]]:
     """Every job in the ledger, oldest first: name, state, total and counts by status."""
-    with _ledger(Home.at(Path(home), ledger)) as led:
+    with _ledger(_home(home, ledger), existing=True) as led:
         return jobs_table(led)
 
 
 def retry(job: str, *, home: PathLike = ".", ledger: str | None = None) -> int:
     """Put the job's failed and invalid items back to pending (then resume); how many."""
-    where = Home.at(Path(home), ledger)
-    with _ledger(where) as led:
+    where = _home(home, ledger)
+    with _ledger(where, existing=True) as led:
         return led.requeue(_job(led, where, job).name)
 
 
@@ -236,19 +211,27 @@ def export(
     ledger: str | None = None,
 ) -> Path:
     """Write the job's results file again (every line, input order, atomically); its path."""
-    where = Home.at(Path(home), ledger)
-    with _ledger(where) as led:
+    if fmt not in FORMATS:
+        raise UsageError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    where = _home(home, ledger)
+    with _ledger(where, existing=True) as led:
         found = _job(led, where, job)
-        target = Path(path) if path is not None else where.output_path(found.name, fmt)
+        target = Path(path).expanduser() if path is not None else where.output_path(found.name, fmt)
         verbs.export(led, target, found.name, verbs.job_spec(found), fmt)
     return target
 
 
 def results(job: str, *, home: PathLike = ".", ledger: str | None = None) -> Iterator[Result]:
-    """Every line's Result in input order, read from the ledger in pages (constant memory)."""
-    where = Home.at(Path(home), ledger)
-    with _ledger(where) as led:
+    """Every line's Result in input order, read from the ledger in pages (constant memory).
+    An unknown job is refused here, not at the first `next()`."""
+    where = _home(home, ledger)
+    with _ledger(where, existing=True) as led:
         name = _job(led, where, job).name
+    return _results(where, name)
+
+
+def _results(where: Home, name: str) -> Iterator[Result]:
+    with _ledger(where) as led:  # open while iterated; closed at the end or when dropped
         for item in led.iter_results(name):
             yield result_of(item)
 
@@ -256,45 +239,90 @@ def results(job: str, *, home: PathLike = ".", ledger: str | None = None) -> Ite
 # --- how they are made -------------------------------------------------------------------------
 
 
-async def _run(
-    led: Ledger,
-    where: Home,
-    name: str,
-    spec: RunSpec,
-    on_progress: OnProgress | None,
-    on_message: OnMessage | None,
-) -> JobReport:
+@dataclass(frozen=True)
+class _Listen:
+    handle_signals: bool
+    on_progress: OnProgress | None
+    on_message: OnMessage | None
+
+
+async def _run(led: Ledger, where: Home, name: str, spec: RunSpec, listen: _Listen) -> JobReport:
     """Run what is left, then finish: results written once no item is left."""
     counts = led.counts(name)
-    stats = RunStats()
+    stats, notes = RunStats(), tuple[str, ...]()
     if counts["pending"] or counts["running"]:
         stats = await verbs.run_job(
             led,
             where,
             name,
             spec,
-            # Ctrl-C and SIGTERM stop it gracefully where signals can be heard
-            handle_signals=threading.current_thread() is threading.main_thread(),
-            on_progress=on_progress,
-            on_message=on_message,
+            handle_signals=listen.handle_signals,
+            on_progress=listen.on_progress,
+            on_message=listen.on_message,
         )
     else:
-        _say(on_message, f"job {name} has nothing left to do")
+        notes = (f"job {name} has nothing left to do",)
+        _say(listen.on_message, notes[0])
     found = led.get_job(name)
     final_spec = verbs.job_spec(found) if found else spec
     # the results file is written here: off the event loop, which may be the caller's
     counts, complete = await anyio.to_thread.run_sync(verbs.finish, led, where, name, final_spec)
     output = where.output_path(name) if complete else None
-    return JobReport(name, counts, complete, output, stats=stats)
+    return JobReport(name, counts, complete, output, notes=notes, stats=stats)
 
 
-def _sync(call: Callable[..., Awaitable[T]], options: Mapping[str, Any]) -> T:
-    """Run an async verb in a new event loop (the run options go through as given)."""
-    return anyio.run(functools.partial(call, **options))
+def _standing(led: Ledger, where: Home, name: str) -> JobReport:
+    """Where a job stands, nothing run."""
+    counts = led.counts(name)
+    complete = counts["pending"] + counts["running"] == 0
+    output = where.output_path(name)
+    return JobReport(name, counts, complete, output if complete and output.exists() else None)
+
+
+def _sync(call: Callable[..., Awaitable[JobReport]], options: Mapping[str, Any]) -> JobReport:
+    """Run an async verb in a new event loop; from the main thread, a Ctrl-C or SIGTERM stops
+    the run gracefully, and then reaches the caller through its own handler (or Python's)."""
+    report = in_new_loop(call, options)
+    if report.stats.stopped_by is not None:
+        signal.raise_signal(report.stats.stopped_by)  # handled as the caller would have
+    return report
+
+
+def in_new_loop(call: Callable[..., Awaitable[JobReport]], options: Mapping[str, Any]) -> JobReport:
+    """An async verb run to its end in a new event loop (the CLI's way too), stopping
+    gracefully on Ctrl-C/SIGTERM from the main thread; the signal handlers are put back."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise UsageError(
+            "called inside a running event loop (a notebook?): use "
+            "`await batchrun.submit_async(...)` or `await batchrun.resume_async(...)`"
+        )
+    main = threading.current_thread() is threading.main_thread()
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        report = anyio.run(functools.partial(call, handle_signals=main, **options))
+    finally:
+        for signum, handler in saved.items():  # the event loop leaves the defaults behind
+            if handler is not None:
+                signal.signal(signum, handler)
+    return report
+
+
+def _home(home: PathLike, ledger: str | None) -> Home:
+    return Home.at(Path(home).expanduser(), ledger)
 
 
 @contextmanager
-def _ledger(where: Home) -> Iterator[Ledger]:
+def _ledger(where: Home, *, existing: bool = False) -> Iterator[Ledger]:
+    """The ledger, open for one verb. `existing`: a verb that only reads refuses to make one
+    (a mistyped home would otherwise get a new, empty ledger)."""
+    if existing and where.ledger_url.startswith("sqlite:///"):
+        file = Path(where.ledger_url.removeprefix("sqlite:///"))
+        if not file.exists():
+            raise UsageError(f"no ledger at {file} (is home {where.root} right?)")
     led = Ledger(where.ledger_url)
     try:
         yield led
@@ -306,36 +334,34 @@ def _job(led: Ledger, where: Home, name: str) -> Job:
     found = led.get_job(name)
     if found is None:
         known = ", ".join(j.name for j in led.list_jobs()) or "none"
-        raise UsageError(f"no job named {name!r} in {where.ledger_url} (jobs: {known})")
+        raise UsageError(f"no job named {name!r} in {shown_url(where.ledger_url)} (jobs: {known})")
     return found
 
 
 def _layers(spec: PathLike | None, options: Mapping[str, Any]) -> list[dict[str, Any]]:
     layers = [load_spec_file(Path(spec))] if spec is not None else []
-    layers.append(dict(options))
+    given = dict(options)
+    if isinstance(given.get("schema"), os.PathLike):
+        given["schema"] = os.fspath(given["schema"])
+    layers.append(given)
     return layers
 
 
 def _input(
-    source: PathLike | Iterable[Mapping[str, Any]], where: Home, job: str | None
+    source: PathLike | Iterable[Mapping[str, Any]],
+    where: Home,
+    job: str | None,
+    layers: list[dict[str, Any]],
 ) -> tuple[Path, str]:
-    """The input file and the job's name. Rows are written to HOME/inputs/ first."""
+    """The input file and the job's name (rows are written to HOME/inputs/ first)."""
+    if job is not None:
+        verbs.check_job_name(job)  # before anything is written
     if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        return path, verbs.check_job_name(job or verbs.default_job_name(path))
-    folder = where.root / "inputs"
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("wb", dir=folder, suffix=".tmp", delete=False) as f:
-        for row in source:
-            f.write(orjson.dumps(row) + b"\n")
-    tmp = Path(f.name)
-    name = verbs.check_job_name(job or f"rows-{file_digest(tmp)[:12]}")
-    path = folder / f"{name}.jsonl"
-    if path.exists() and file_digest(path) != file_digest(tmp):
-        tmp.unlink()
-        raise UsageError(f"{path} holds other rows for job {name!r}; use another job name")
-    os.replace(tmp, path)
-    return path, name
+        path = Path(source).expanduser()
+        return path, job or verbs.check_job_name(verbs.default_job_name(path))
+    merged = {k: v for layer in layers for k, v in layer.items() if v is not None}
+    path, digest = write_rows(source, where.root / "inputs", merged)
+    return path, job or f"rows-{digest[:12]}"
 
 
 def _say(on_message: OnMessage | None, message: str) -> None:

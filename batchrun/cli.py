@@ -4,6 +4,7 @@ says and maps errors to exit codes. No SQL, no HTTP here.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from batchrun.cli_sim import sim
 from batchrun.config import PRESETS, resolve
 from batchrun.doctor import diagnose, ready, render
 from batchrun.outputs import FORMATS
-from batchrun.status import render_detail, render_table
+from batchrun.status_view import render_detail, render_table
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -157,8 +158,7 @@ def _run_options(options: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in options.items() if value is not None}
 
 
-def _finish(report: api.JobReport, bar: ProgressBar, *, quiet: bool) -> None:
-    bar.close()
+def _finish(report: api.JobReport, *, quiet: bool) -> None:
     if quiet:  # the notes were not said as they came
         for note in report.notes:
             say(note)
@@ -205,18 +205,14 @@ def submit(
     Submitting the same file under the same job name again resumes that job instead.
     """
     bar = ProgressBar(quiet=quiet)
-    report = api.submit(
-        input_path,
-        job=job_name,
-        run=not no_run,
-        spec=spec_file,
-        on_progress=bar,
-        on_message=None if quiet else bar.say,
-        **ctx.where,
-        **_run_options(options),
-    )
+    with bar:
+        call = functools.partial(
+            api.submit_async, input_path, job=job_name, run=not no_run, spec=spec_file
+        )
+        listen = {"on_progress": bar, "on_message": None if quiet else bar.say}
+        report = api.in_new_loop(call, {**listen, **ctx.where, **_run_options(options)})
     if not no_run:
-        _finish(report, bar, quiet=quiet)
+        _finish(report, quiet=quiet)
 
 
 @main.command()
@@ -240,16 +236,13 @@ def resume(
 ) -> None:
     """Continue JOB_NAME: every item that has no final record yet."""
     bar = ProgressBar(quiet=quiet)
-    report = api.resume(
-        job_name,
-        allow_changed_input=allow_changed_input,
-        spec=spec_file,
-        on_progress=bar,
-        on_message=None if quiet else bar.say,
-        **ctx.where,
-        **_run_options(options),
-    )
-    _finish(report, bar, quiet=quiet)
+    with bar:
+        call = functools.partial(
+            api.resume_async, job_name, allow_changed_input=allow_changed_input, spec=spec_file
+        )
+        listen = {"on_progress": bar, "on_message": None if quiet else bar.say}
+        report = api.in_new_loop(call, {**listen, **ctx.where, **_run_options(options)})
+    _finish(report, quiet=quiet)
 
 
 @main.command()

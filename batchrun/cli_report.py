@@ -94,6 +94,12 @@ class ProgressBar:
         else:
             tqdm.write(f"batchrun: {printable(message)}", file=sys.stderr)
 
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()  # before anything else is printed, error or summary
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

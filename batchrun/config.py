@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from batchrun.errors import OptionError, UsageError
 
 ENDPOINTS = ("chat", "completions")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 ON_TRUNCATE = ("fail", "retry-longer")
 
 
@@ -191,6 +193,40 @@ class RunSpec:
         return os.environ.get(self.api_key_env) or None
 
 
+class RunOptions(TypedDict, total=False):
+    """Every run option, under the CLI's names; left out (or None) means the spec's or the
+    default."""
+
+    backend: str | None
+    base_url: str | None
+    model: str | None
+    api_key_env: str | None  # the NAME of the variable that holds the key, never the key
+    endpoint: str | None  # "chat" or "completions"
+    stream: bool | None
+    concurrency: int | str | None  # a number, or "auto"
+    max_concurrency: int | None
+    server_metrics: str | None
+    rpm: float | None
+    tpm: float | None
+    max_attempts: int | None
+    timeout: float | None
+    outage_timeout: float | None
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    schema: str | os.PathLike[str] | None  # a JSON Schema file
+    guided: bool | None
+    repair_attempts: int | None
+    on_truncate: str | None
+    max_tokens_cap: int | None
+    skip_invalid: bool | None
+    redact: bool | None
+    max_line_bytes: int | None
+    max_input_chars: int | None
+    max_input_tokens: int | None
+    sim_options: dict[str, Any]
+
+
 SPEC_FIELDS = {f.name: f for f in dataclasses.fields(RunSpec)}
 
 
@@ -205,7 +241,9 @@ def _coerce(name: str, value: Any) -> Any:
         elif value.strip().lower() == "auto":
             return "auto"
         else:
-            raise OptionError(f"{{concurrency}} must be a number or auto, got {value!r}")
+            raise OptionError(
+                f"{{concurrency}} must be a number or auto, got {OptionError.quoted(value)}"
+            )
     return checked(f"{{{name}}}", value, str(kind).split(" |")[0].split("[")[0])
 
 
@@ -225,7 +263,7 @@ def checked(label: str, value: Any, kind: str) -> Any:
     check for run options, spec files and simulator options alike."""
     allowed = ACCEPTED.get(kind)
     if allowed and (not isinstance(value, allowed) or (kind != "bool" and isinstance(value, bool))):
-        raise OptionError(f"{label} must be {kind}, got {value!r}")
+        raise OptionError(f"{label} must be {kind}, got {OptionError.quoted(value)}")
     if kind == "float":
         return float(value)
     if kind == "tuple":
@@ -291,16 +329,17 @@ def resolve(*layers: dict[str, Any], endpoint_required: bool = True) -> RunSpec:
 
 def _validate(spec: RunSpec, preset: Preset | None) -> None:
     if spec.endpoint not in ENDPOINTS:
-        raise OptionError(f"{{endpoint}} must be chat or completions, got {spec.endpoint!r}")
+        raise OptionError(
+            f"{{endpoint}} must be chat or completions, got {OptionError.quoted(spec.endpoint)}"
+        )
     if isinstance(spec.concurrency, int) and spec.concurrency < 1:
         raise OptionError("{concurrency} must be at least 1")
     if spec.max_concurrency < 1:
         raise OptionError("{max_concurrency} must be at least 1")
     metrics = spec.server_metrics
     if metrics not in ("auto", "off") and not metrics.startswith(("http://", "https://")):
-        raise OptionError(
-            f"{{server_metrics}} must be auto, off or an http(s) URL, got {metrics!r}"
-        )
+        got = OptionError.quoted(metrics)
+        raise OptionError(f"{{server_metrics}} must be auto, off or an http(s) URL, got {got}")
     for name in ("rpm", "tpm"):
         value = getattr(spec, name)
         if value is not None and value <= 0:
@@ -315,6 +354,18 @@ def _validate(spec: RunSpec, preset: Preset | None) -> None:
         raise OptionError("{max_tokens_cap} must be at least 1")
     if spec.timeout <= 0:
         raise OptionError("{timeout} must be positive")
+    if spec.outage_timeout < 0:
+        raise OptionError("{outage_timeout} must be 0 or more")
+    for name in ("max_tokens", "max_line_bytes", "max_input_chars", "max_input_tokens"):
+        value = getattr(spec, name)
+        if value is not None and value < 1:
+            raise OptionError(f"{{{name}}} must be at least 1")
+    if spec.api_key_env and not ENV_NAME.fullmatch(spec.api_key_env):
+        # not echoed: a key pasted where its variable's name goes must not reach a log
+        raise OptionError(
+            "{api_key_env} must be the NAME of an environment variable (letters, digits and _), "
+            "not the key itself"
+        )
     if preset is not None and preset.key_required and spec.api_key() is None:
         raise OptionError(
             f"backend {preset.name} needs an API key: set the environment variable "

@@ -118,8 +118,15 @@ class OptionError(UsageError):
         super().__init__(self.naming(lambda key: key))
 
     def naming(self, name: Callable[[str], str]) -> str:
-        """The message with each `{key}` written as `name(key)`."""
-        return re.sub(r"\{([a-z_]+)\}", lambda m: name(m.group(1)), self.template)
+        """The message with each `{key}` written as `name(key)` (and a value's own braces,
+        doubled by `quoted`, put back as they were)."""
+        text = re.sub(r"(?<!\{)\{([a-z_]+)\}(?!\})", lambda m: name(m.group(1)), self.template)
+        return text.replace("{{", "{").replace("}}", "}")
+
+    @staticmethod
+    def quoted(value: object) -> str:
+        """repr(value) for a message, its braces doubled so none reads as an option's name."""
+        return repr(value).replace("{", "{{").replace("}", "}}")
 
 
 class InputError(BatchrunError):
@@ -134,8 +141,12 @@ class InputError(BatchrunError):
         super().__init__(f"{where}{len(problems)} bad line(s), nothing was sent:\n{shown}{more}")
 
 
-class EmptyInput(BatchrunError):
+class EmptyInput(InputError):
     """The input file holds no item at all (empty, or only blank lines)."""
+
+    def __init__(self, message: str) -> None:
+        self.problems, self.path = [], ""
+        BatchrunError.__init__(self, message)
 
 
 class LedgerError(BatchrunError):

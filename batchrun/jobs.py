@@ -30,7 +30,7 @@ from batchrun.inputs import InputReader, file_digest
 from batchrun.ledger import FINAL_STATUSES, IngestReport, Job, Ledger
 from batchrun.outputs import FORMATS, write_results
 from batchrun.progress import JobLog, Progress, ProgressUpdate
-from batchrun.retry import OutageWatch, RetryPolicy
+from batchrun.retrying import OutageWatch, RetryPolicy
 from batchrun.run_state import BUSY_PATIENCE_S, RunnerSettings, RunStats
 from batchrun.runner import Runner
 from batchrun.structured import OutputRules
@@ -130,8 +130,9 @@ def check_input_unchanged(job: Job, *, allow: bool) -> str | None:
         return None
     if allow:
         return f"input file {path} changed since submit; resuming the requests stored then"
+    shown = str(path).replace("{", "{{").replace("}", "}}")  # a path's braces stay braces
     raise OptionError(
-        f"input file {path} changed since job {job.name!r} was submitted; resume would send "
+        f"input file {shown} changed since job {job.name!r} was submitted; resume would send "
         "the requests stored at submit time, not the new file. Submit the new file as a new "
         "job, or pass {allow_changed_input} to resume anyway"
     )
@@ -260,13 +261,15 @@ def _single_error(group: BaseExceptionGroup) -> BaseException:
         else:
             leaves.append(exc)
     ours = [e for e in leaves if isinstance(e, BatchrunError)]
-    return ours[0] if ours else group
+    if ours:
+        return ours[0]
+    return leaves[0] if len(leaves) == 1 else group  # one error (a callback's, say): as raised
 
 
 async def _stop_on_signals(runner: Runner) -> None:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            runner.request_stop()
+        async for signum in signals:
+            runner.request_stop(signum)
 
 
 def finish(ledger: Ledger, home: Home, name: str, spec: RunSpec) -> tuple[dict[str, int], bool]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from batchrun.retry import Sleep
+from batchrun.retrying import Sleep
 
 LEASE_TTL = 60.0  # a runner whose heartbeat is older than this is taken for dead
 
@@ -28,6 +28,7 @@ class RunStats:
     elapsed: float = 0.0
     aborted: str | None = None  # the fatal error that stopped the job
     interrupted: bool = False
+    stopped_by: int | None = None  # the signal that stopped it (SIGINT, SIGTERM), if one did
 
 
 BUSY_PATIENCE_S = 600.0  # how long to wait for another process's ledger lock (a long ingest)

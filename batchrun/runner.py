@@ -34,7 +34,7 @@ from batchrun.errors import (
 )
 from batchrun.ledger import ClaimedItem, ItemResult, Ledger
 from batchrun.progress import JobLog, Progress
-from batchrun.retry import OutageWatch, RetryPolicy
+from batchrun.retrying import OutageWatch, RetryPolicy
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.sender import Sender
 from batchrun.server_metrics import ServerLoad
@@ -97,8 +97,8 @@ class Runner:
 
     # --- control --------------------------------------------------------------------------
 
-    def request_stop(self) -> None:
-        """Ctrl-C / SIGTERM: stop taking work; in-flight requests get a short grace.
+    def request_stop(self, signum: int | None = None) -> None:
+        """Ctrl-C / SIGTERM (`signum`): stop taking work; in-flight requests get a short grace.
 
         A second call stops in-flight requests at once (what finished is still committed)."""
         if self._stopping.is_set() and self._workers_scope is not None:
@@ -109,6 +109,7 @@ class Runner:
                 f"{self.throttle.in_flight} request(s) in flight (Ctrl-C again to stop now)"
             )
         self.stats.interrupted = True
+        self.stats.stopped_by = self.stats.stopped_by or signum
         self._stopping.set()
 
     def _abort(self, error: BatchrunError) -> None:

@@ -20,7 +20,7 @@ from batchrun.inputs import estimate_tokens
 from batchrun.ledger import ClaimedItem, ItemResult
 from batchrun.limiter import estimate_request_tokens
 from batchrun.progress import JobLog, input_summary
-from batchrun.retry import RetryPolicy
+from batchrun.retrying import RetryPolicy
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.structured import AnswerPlan, Outcome, OutputRules
 from batchrun.throttle import Throttle

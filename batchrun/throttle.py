@@ -32,7 +32,7 @@ from batchrun.errors import (
 )
 from batchrun.evidence import Observation
 from batchrun.limiter import Pacer
-from batchrun.retry import Clock, Sleep
+from batchrun.retrying import Clock, Sleep
 from batchrun.server_metrics import ServerLoad
 
 METRICS_EVERY_S = 0.5

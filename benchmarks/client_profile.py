@@ -39,7 +39,7 @@ CATEGORIES = [  # (name, pattern on a frame's file), first match from the innerm
     ("http engine", r"aiohttp/|yarl/|multidict/"),
     ("httpx", r"httpx/"),
     ("log+progress", r"batchrun/progress\.py|tqdm/"),
-    ("pacing", r"batchrun/(throttle|controller|evidence|limiter|retry)\.py|tenacity/"),
+    ("pacing", r"batchrun/(throttle|controller|evidence|limiter|retrying)\.py|tenacity/"),
     ("event loop", r"asyncio/|anyio/|selectors\.py|sniffio/"),
     ("batchrun", r"batchrun/"),
 ]

@@ -1,5 +1,6 @@
 """The ledger: the only code that imports SQLAlchemy."""
 
+from batchrun.ledger.engine import shown_url
 from batchrun.ledger.records import ClaimedItem, IngestReport, ItemResult, Job
 from batchrun.ledger.schema import FINAL_STATUSES, STATUSES
 from batchrun.ledger.store import Ledger, runner_alive
@@ -13,4 +14,5 @@ __all__ = [
     "Job",
     "Ledger",
     "runner_alive",
+    "shown_url",
 ]

@@ -12,6 +12,7 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from batchrun.errors import LedgerError
 
@@ -57,3 +58,11 @@ def make_engine(url: str) -> Engine:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
     return engine
+
+
+def shown_url(url: str) -> str:
+    """The ledger URL as it may be shown: a password in it becomes ***."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "(an unreadable ledger URL)"

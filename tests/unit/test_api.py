@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
+import anyio
 import orjson
 import pytest
 from click.testing import CliRunner
@@ -50,7 +53,7 @@ def test_the_same_rows_again_are_the_same_job_and_send_nothing(tmp_path: Path) -
 
 def test_rows_under_a_taken_job_name_are_refused(tmp_path: Path) -> None:
     batchrun.submit(rows(3), job="nightly", home=tmp_path, **SIM)
-    with pytest.raises(batchrun.UsageError, match="other rows"):
+    with pytest.raises(batchrun.UsageError, match="made from a different input"):
         batchrun.submit(rows(4), job="nightly", home=tmp_path, **SIM)
 
 
@@ -153,3 +156,110 @@ def test_option_errors_name_the_key_in_python_and_the_flag_on_the_command_line(
         ["--home", str(tmp_path), "submit", str(path), "--backend", "sim", "--concurrency", "0"],
     )
     assert said.exit_code == 2 and "error: --concurrency must be at least 1" in said.stderr
+
+
+# --- what a hostile review found ---------------------------------------------------------------
+
+
+def test_a_failed_rows_submit_does_not_block_its_job_name(tmp_path: Path) -> None:
+    with pytest.raises(batchrun.InputError):
+        batchrun.submit([{"nope": 1}], job="n", home=tmp_path, **SIM)
+    assert batchrun.submit([{"prompt": "ok"}], job="n", home=tmp_path, **SIM).ok
+    assert not list((tmp_path / "inputs").glob("*.tmp"))
+
+
+def test_the_same_rows_asked_another_way_are_another_job(tmp_path: Path) -> None:
+    first = batchrun.submit(rows(3), home=tmp_path, **SIM)
+    other = batchrun.submit(rows(3), home=tmp_path, temperature=1.5, **SIM)
+    assert other.job != first.job and other.stats.requests == 3
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ([{"prompt": "a"}, 5], "row 2 is int, not a dict"),
+        ({"prompt": "a"}, "iterable of dicts"),
+        ([{"prompt": object()}], "row 1 cannot be written as JSON"),
+    ],
+)
+def test_rows_that_are_not_dicts_are_refused_by_row(
+    tmp_path: Path, source: Any, message: str
+) -> None:
+    with pytest.raises(batchrun.UsageError, match=message):
+        batchrun.submit(source, home=tmp_path, **SIM)
+    assert not list((tmp_path / "inputs").glob("*.tmp"))
+
+
+def test_a_key_pasted_as_its_variable_name_is_refused_and_not_echoed(tmp_path: Path) -> None:
+    secret = "sk-proj-abcdefghijklmnop1234567890"
+    with pytest.raises(batchrun.UsageError) as info:
+        batchrun.submit(rows(1), home=tmp_path, backend="vllm", api_key_env=secret)
+    assert "NAME of an environment variable" in str(info.value)
+    assert "abcdefgh" not in str(info.value)
+    assert not (tmp_path / "jobs" / "ledger.db").exists() or secret not in (
+        tmp_path / "jobs" / "ledger.db"
+    ).read_bytes().decode("latin-1")
+
+
+def test_out_of_range_options_are_refused_in_python_too(tmp_path: Path) -> None:
+    for option, value in [("max_tokens", 0), ("outage_timeout", -1.0), ("max_line_bytes", 0)]:
+        with pytest.raises(batchrun.UsageError, match=f"{option} must be"):
+            batchrun.submit(rows(1), home=tmp_path, **{**SIM, option: value})
+
+
+def test_a_value_with_braces_is_shown_as_given() -> None:
+    from batchrun.cli_errors import flag
+    from batchrun.config import resolve
+    from batchrun.errors import OptionError
+
+    with pytest.raises(OptionError) as info:
+        resolve({"backend": "sim", "server_metrics": "/data/{run_id}/m"})
+    assert "'/data/{run_id}/m'" in str(info.value)
+    assert info.value.naming(flag).startswith("--server-metrics must be")
+    assert "'/data/{run_id}/m'" in info.value.naming(flag)
+
+
+def test_verbs_that_read_refuse_a_home_without_a_ledger(tmp_path: Path) -> None:
+    with pytest.raises(batchrun.UsageError, match="no ledger at"):
+        batchrun.list_jobs(home=tmp_path / "typo")
+    assert not (tmp_path / "typo").exists()
+    batchrun.submit(rows(1), job="j", home=tmp_path, **SIM)
+    with pytest.raises(batchrun.UsageError, match="no job named 'nope'"):
+        batchrun.results("nope", home=tmp_path)  # at once, not at the first next()
+    with pytest.raises(batchrun.UsageError, match="unknown format 'csv'"):
+        batchrun.export("j", fmt="csv", home=tmp_path)
+
+
+def test_a_callbacks_error_reaches_the_caller_as_raised(tmp_path: Path) -> None:
+    def broken(update: batchrun.ProgressUpdate) -> None:
+        if update.done:
+            raise KeyError("from the callback")
+
+    with pytest.raises(KeyError, match="from the callback"):
+        batchrun.submit(rows(5), job="cb", home=tmp_path, on_progress=broken, **SIM)
+    assert batchrun.resume("cb", home=tmp_path, **SIM).ok  # nothing lost: the rest goes
+
+
+def test_sync_verbs_inside_a_running_loop_point_to_the_async_ones(tmp_path: Path) -> None:
+    async def inside() -> None:
+        batchrun.submit(rows(1), home=tmp_path, **SIM)
+
+    with pytest.raises(batchrun.UsageError, match="submit_async"):
+        anyio.run(inside)
+
+
+def test_ctrl_c_stops_gracefully_then_reaches_the_caller(tmp_path: Path) -> None:
+    sent = []
+
+    def interrupt(update: batchrun.ProgressUpdate) -> None:
+        if update.done and not sent:
+            sent.append(update.done)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    mine = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        batchrun.submit(rows(40), job="c", home=tmp_path, on_progress=interrupt, **SIM)
+    assert signal.getsignal(signal.SIGTERM) is mine  # handlers put back
+    standing = batchrun.status("c", home=tmp_path)["counts"]
+    assert standing["done"] >= sent[0] and standing["running"] == 0  # committed, released
+    assert batchrun.resume("c", home=tmp_path, **SIM).ok

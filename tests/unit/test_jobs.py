@@ -59,8 +59,10 @@ def test_task_group_errors_are_unwrapped_to_the_batchrun_error() -> None:
     busy = JobBusy("job is being run")
     group = BaseExceptionGroup("tg", [BaseExceptionGroup("inner", [busy])])
     assert jobs._single_error(group) is busy
-    other = BaseExceptionGroup("tg", [ValueError("bug")])
-    assert jobs._single_error(other) is other
+    bug = ValueError("bug")  # one error alone (a callback's): as raised
+    assert jobs._single_error(BaseExceptionGroup("tg", [BaseExceptionGroup("in", [bug])])) is bug
+    several = BaseExceptionGroup("tg", [ValueError("a"), KeyError("b")])
+    assert jobs._single_error(several) is several
 
 
 def test_ids_that_collide_after_string_conversion_are_duplicates(tmp_path: Path) -> None:

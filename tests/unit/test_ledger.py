@@ -19,7 +19,7 @@ from batchrun.ledger import ItemResult, Ledger
 from batchrun.ledger.engine import make_engine
 from batchrun.ledger.migrations import MIGRATIONS, current_version, migrate
 from batchrun.outputs import native_record, openai_record
-from batchrun.status import job_detail, jobs_table
+from batchrun.status_view import job_detail, jobs_table
 from tests.unit.test_runner import rows as stored_rows
 
 

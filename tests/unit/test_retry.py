@@ -20,7 +20,7 @@ from batchrun.errors import (
     StreamCut,
     TransientError,
 )
-from batchrun.retry import MAX_RETRY_AFTER, OutageWatch, RetryPolicy
+from batchrun.retrying import MAX_RETRY_AFTER, OutageWatch, RetryPolicy
 from tests.fakes import FakeTime
 
 

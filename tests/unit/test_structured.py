@@ -22,7 +22,7 @@ from batchrun.jobs import Home
 from batchrun.ledger import Ledger
 from batchrun.sim import SimConfig, SimModel, SimTransport
 from batchrun.sim.json_answers import instance, json_text
-from batchrun.status import job_detail, render_detail
+from batchrun.status_view import job_detail, render_detail
 from batchrun.structured import Outcome, OutputRules
 from batchrun.validate import SchemaCheck, extract_json
 from tests.fakes import FakeTime

@@ -1,0 +1,61 @@
+"""Rows handed over from Python, written as a job's input file: a job always reads a file,
+so a resume reads exactly what was submitted."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from batchrun.errors import UsageError
+
+# Options that change what is asked: rows submitted again with other values are another job.
+REQUEST_SHAPING = (
+    *("backend", "base_url", "model", "endpoint"),
+    *("max_tokens", "temperature", "top_p", "schema"),
+)
+
+
+def write_rows(
+    rows: Iterable[Mapping[str, Any]], folder: Path, options: Mapping[str, Any]
+) -> tuple[Path, str]:
+    """Write `rows` as JSONL under `folder`, named by their content; returns the file and the
+    digest that names a job of these rows with these options (`rows-` + its first 12 digits).
+
+    The file's name holds the content's digest, so rows that differ never share a file, and a
+    submit that fails leaves nothing in the way of the next."""
+    if isinstance(rows, (Mapping, str, bytes, bytearray)):
+        raise UsageError("rows must be an iterable of dicts, one per line (for one row: [row])")
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    tmp = Path(name)
+    try:
+        content = hashlib.sha256()
+        with os.fdopen(fd, "wb") as f:
+            for number, row in enumerate(rows, 1):
+                line = _line(number, row)
+                content.update(line)
+                f.write(line)
+        digest = content.hexdigest()
+        path = folder / f"rows-{digest[:16]}.jsonl"
+        os.replace(tmp, path)  # the same content again: the same bytes, nothing changes
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    asked = {key: options[key] for key in REQUEST_SHAPING if options.get(key) is not None}
+    job = hashlib.sha256(digest.encode() + orjson.dumps(asked, option=orjson.OPT_SORT_KEYS))
+    return path, job.hexdigest()
+
+
+def _line(number: int, row: Any) -> bytes:
+    if not isinstance(row, Mapping):
+        raise UsageError(f"row {number} is {type(row).__name__}, not a dict")
+    try:
+        return orjson.dumps(dict(row), option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+    except TypeError as exc:
+        raise UsageError(f"row {number} cannot be written as JSON: {exc}") from None
