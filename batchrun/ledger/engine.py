@@ -7,12 +7,14 @@ mid-transaction. Reads begin deferred, so `status` never queues behind a writer.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from batchrun.errors import LedgerError
 
@@ -66,3 +68,20 @@ def shown_url(url: str) -> str:
         return make_url(url).render_as_string(hide_password=True)
     except ArgumentError:
         return "(an unreadable ledger URL)"
+
+
+@contextmanager
+def storage_errors(action: str) -> Iterator[None]:
+    """Turn driver errors into one clear LedgerError (disk full, read-only, corrupt...)."""
+    try:
+        yield
+    except SQLAlchemyError as exc:
+        # The driver's own message only: SQLAlchemy's text would repeat the SQL and its
+        # parameters, which hold prompts.
+        reason = str(getattr(exc, "orig", None) or type(exc).__name__)
+        busy = "locked" in reason or "busy" in reason
+        if "disk I/O error" in reason or "full" in reason:
+            reason += " (is the disk full, or the file over a size limit?)"
+        elif "unable to open database file" in reason:
+            reason += " (does the folder exist, and is it writable? read-only filesystem?)"
+        raise LedgerError(f"ledger error while {action}: {reason}", busy=busy) from None

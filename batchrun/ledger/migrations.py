@@ -21,7 +21,8 @@ from contextlib import contextmanager
 
 from sqlalchemy import Connection, Engine, inspect, select, text
 
-from batchrun.ledger.engine import WRITE_OPTION
+from batchrun.errors import LedgerError
+from batchrun.ledger.engine import WRITE_OPTION, make_engine, storage_errors
 from batchrun.ledger.schema import items, items_id_unique, jobs, schema_migrations
 
 REPAIR_COLUMNS = ("repairs", "repair_prompt_tokens", "repair_completion_tokens")
@@ -102,3 +103,24 @@ def current_version(engine: Engine) -> int:
     with engine.connect() as conn:
         versions = conn.execute(select(schema_migrations.c.version)).scalars().all()
     return max(versions, default=0)
+
+
+OPEN_PATIENCE_S = 30.0  # how long opening waits out another process making the ledger
+
+
+def ready_engine(url: str, engine: Engine | None = None) -> Engine:
+    """The ledger's engine, its schema up to date. A ledger that another process is making at
+    this moment (two first submits) can refuse us at once, busy timeout or not (SQLite does
+    not wait while a new file turns to WAL): opening tries again for a while."""
+    with storage_errors("opening the ledger"):
+        engine = engine or make_engine(url)
+    deadline = time.monotonic() + OPEN_PATIENCE_S
+    while True:
+        try:
+            with storage_errors("opening the ledger"):
+                migrate(engine)
+            return engine
+        except LedgerError as exc:
+            if not exc.busy or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)

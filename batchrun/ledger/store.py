@@ -14,12 +14,12 @@ from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Connection, Engine, and_, bindparam, func, select, update
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import IntegrityError
 
-from batchrun.errors import EmptyInput, InputError, JobBusy, JobExists, LedgerError
-from batchrun.ledger.engine import WRITE_OPTION, make_engine
+from batchrun.errors import EmptyInput, InputError, JobBusy, JobExists
+from batchrun.ledger.engine import WRITE_OPTION, storage_errors
 from batchrun.ledger.ingest import Loader
-from batchrun.ledger.migrations import migrate
+from batchrun.ledger.migrations import ready_engine
 from batchrun.ledger.records import (
     BadLine,
     ClaimedItem,
@@ -35,29 +35,10 @@ from batchrun.ledger.schema import STATUSES, items, jobs
 from batchrun.ledger.stats import item_stats
 
 
-@contextmanager
-def _storage_errors(action: str) -> Iterator[None]:
-    """Turn driver errors into one clear LedgerError (disk full, read-only, corrupt...)."""
-    try:
-        yield
-    except SQLAlchemyError as exc:
-        # The driver's own message only: SQLAlchemy's text would repeat the SQL and its
-        # parameters, which hold prompts.
-        reason = str(getattr(exc, "orig", None) or type(exc).__name__)
-        busy = "locked" in reason or "busy" in reason
-        if "disk I/O error" in reason or "full" in reason:
-            reason += " (is the disk full, or the file over a size limit?)"
-        elif "unable to open database file" in reason:
-            reason += " (does the folder exist, and is it writable? read-only filesystem?)"
-        raise LedgerError(f"ledger error while {action}: {reason}", busy=busy) from None
-
-
 class Ledger:
     def __init__(self, url: str, engine: Engine | None = None) -> None:
         self.url = url
-        with _storage_errors("opening the ledger"):
-            self.engine = engine or make_engine(url)
-            migrate(self.engine)
+        self.engine = ready_engine(url, engine)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -65,7 +46,7 @@ class Ledger:
     @contextmanager
     def _write(self, action: str) -> Iterator[Connection]:
         """A write transaction: BEGIN IMMEDIATE on SQLite, so it holds the lock from the start."""
-        with _storage_errors(action), self.engine.connect() as conn:
+        with storage_errors(action), self.engine.connect() as conn:
             conn.execution_options(**{WRITE_OPTION: True})
             with conn.begin():
                 yield conn
@@ -73,7 +54,7 @@ class Ledger:
     @contextmanager
     def _read(self, action: str) -> Iterator[Connection]:
         """A read: a deferred transaction, which never waits for a writer in WAL mode."""
-        with _storage_errors(action), self.engine.connect() as conn:
+        with storage_errors(action), self.engine.connect() as conn:
             yield conn
 
     # --- jobs ------------------------------------------------------------------------------
