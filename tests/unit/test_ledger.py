@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,8 +36,11 @@ def item(line: int, item_id: str | None = None) -> InputItem:
 
 
 @pytest.fixture
-def ledger(tmp_path: Path) -> Ledger:
-    return Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+def ledger(ledger_url: str) -> Iterator[Ledger]:
+    """The ledger on SQLite and on PostgreSQL: every test that takes it runs on both."""
+    opened = Ledger(ledger_url)
+    yield opened
+    opened.close()
 
 
 def make_job(ledger: Ledger, n: int = 10, name: str = "j") -> None:
@@ -65,7 +69,8 @@ def test_migrations_on_blank_database_are_ordered_and_idempotent(tmp_path: Path)
     assert versions == sorted(versions) and len(set(versions)) == len(versions)
 
 
-def test_sqlite_runs_in_wal_mode_with_busy_timeout(ledger: Ledger) -> None:
+def test_sqlite_runs_in_wal_mode_with_busy_timeout(tmp_path: Path) -> None:
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
     with ledger.engine.connect() as conn:
         assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
         assert conn.execute(text("PRAGMA busy_timeout")).scalar() == 30000
