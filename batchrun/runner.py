@@ -28,7 +28,6 @@ from batchrun.config import RunSpec
 from batchrun.controller import Change
 from batchrun.errors import (
     BatchrunError,
-    JobBusy,
     LedgerError,
     OutputError,
 )
@@ -138,11 +137,7 @@ class Runner:
     async def run(self) -> RunStats:
         s = self.settings
         self.stats.reclaimed = await self._db(
-            self.ledger.acquire,
-            self.job,
-            self.owner,
-            ttl=s.lease_ttl,
-            spec=self.spec.to_json(),
+            self.ledger.join, self.job, self.owner, ttl=s.lease_ttl, spec=self.spec.to_json()
         )
         self.log.event(
             "run_started",
@@ -178,7 +173,11 @@ class Runner:
         back: int | None = None
         try:
             back = await self._db(
-                self.ledger.release, self.job, self.owner, limits=list(self._limit_log)
+                self.ledger.release,
+                self.job,
+                self.owner,
+                progress=(self.stats.recorded, self.stats.requests),
+                limits=list(self._limit_log),
             )
         except LedgerError:
             if not quiet_errors:
@@ -223,16 +222,16 @@ class Runner:
     async def _heartbeat(self) -> None:
         while True:
             await anyio.sleep(self.settings.lease_ttl / 3)
-            held = await self._db(
+            reclaimed = await self._db(
                 self.ledger.heartbeat,
                 self.job,
                 self.owner,
                 lease_ttl=self.settings.lease_ttl,
+                progress=(self.stats.recorded, self.stats.requests),
                 limits=list(self._limit_log),
             )
-            if not held:  # we stalled past the lease and another runner took the job over
-                self._abort(JobBusy(f"another process took over job {self.job!r}"))
-                return
+            if reclaimed:  # a worker that is gone left these: back to pending, for anyone
+                self.log.event("reclaimed", items=reclaimed)
 
     async def _feeder(self, send: MemoryObjectSendStream[ClaimedItem]) -> None:
         batch_size = max(8, min(256, self.spec.most_in_flight * 2))
@@ -248,7 +247,10 @@ class Runner:
                     after_line=last_line,
                 )
                 if not batch:
-                    return
+                    if not await self._others_may_return():
+                        return
+                    last_line = 0  # what comes back can be anywhere in the file
+                    continue
                 last_line = batch[-1].line
                 for item in batch:
                     if self._stopping.is_set():
@@ -257,6 +259,16 @@ class Runner:
                         send.send_nowait(item)
                     except anyio.WouldBlock:
                         await send.send(item)
+
+    async def _others_may_return(self) -> bool:
+        """Nothing left to claim: wait while other workers hold items (one that dies leaves
+        them for us, once its lease runs out); False when none is held elsewhere."""
+        ttl = self.settings.lease_ttl
+        if not await self._db(self.ledger.waiting_on_others, self.job, self.owner, ttl=ttl):
+            return False
+        with anyio.move_on_after(min(1.0, ttl / 6)):  # then look again (the feeder claims)
+            await self._stopping.wait()
+        return not self._stopping.is_set()
 
     async def _worker(
         self,

@@ -5,13 +5,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from batchrun.ledger import STATUSES, Job, Ledger, runner_alive
+from batchrun.ledger import STATUSES, Job, Ledger, Worker
 from batchrun.run_state import LEASE_TTL
 
 
-def _state(job: Job, counts: dict[str, int], attempts: int) -> str:
-    if job.runner_owner and runner_alive(job, time.time(), LEASE_TTL):
-        return f"running (pid {job.runner_pid} on {job.runner_host})"
+def _state(counts: dict[str, int], attempts: int, live: list[Worker]) -> str:
+    if len(live) == 1:
+        return f"running (pid {live[0].pid} on {live[0].host})"
+    if live:
+        return f"running ({len(live)} workers)"
     if counts["pending"] or counts["running"]:
         return "stopped" if attempts else "not started"  # no request recorded for any item
     bad = counts["failed"] + counts["invalid"] + counts["rejected"]
@@ -22,7 +24,7 @@ def jobs_table(ledger: Ledger) -> list[dict[str, Any]]:
     rows = []
     for job in ledger.list_jobs():
         counts = ledger.counts(job.name)
-        state = _state(job, counts, ledger.attempts(job.name))
+        state = _state(counts, ledger.attempts(job.name), _live(ledger, job.name))
         rows.append({"job": job.name, "state": state, "total": job.total, **counts})
     return rows
 
@@ -30,10 +32,10 @@ def jobs_table(ledger: Ledger) -> list[dict[str, Any]]:
 def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
     counts = ledger.counts(job.name)
     stats = ledger.item_stats(job.name)
-    spec = job.spec
+    spec, now = job.spec, time.time()
     return {
         "job": job.name,
-        "state": _state(job, counts, stats["attempts"]),
+        "state": _state(counts, stats["attempts"], _live(ledger, job.name)),
         "input": job.input_path,
         "input_digest": job.input_digest,
         "total": job.total,
@@ -44,14 +46,28 @@ def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
         "limit_history": job.limit_history,
         "created_at": job.created_at,
         "finished_at": job.finished_at,
-        "runner": {
-            "pid": job.runner_pid,
-            "host": job.runner_host,
-            "heartbeat": job.runner_heartbeat,
-        }
-        if job.runner_owner
-        else None,
+        "workers": [_worker(w, now) for w in ledger.workers(job.name)],
         **stats,
+    }
+
+
+def _live(ledger: Ledger, name: str) -> list[Worker]:
+    now = time.time()
+    return [w for w in ledger.workers(name) if w.alive(now, LEASE_TTL)]
+
+
+def _worker(w: Worker, now: float) -> dict[str, Any]:
+    """A worker as `status` shows it: where, since when, what it did, and whether it lives."""
+    return {
+        "id": w.id[:12],
+        "host": w.host,
+        "pid": w.pid,
+        "state": "running" if w.alive(now, LEASE_TTL) else "stopped",
+        "started_at": w.started_at,
+        "heartbeat_age_s": round(now - w.heartbeat, 1),
+        "recorded": w.recorded,
+        "requests": w.requests,
+        "items_per_s": round(w.recorded / max(w.heartbeat - w.started_at, 1e-9), 1),
     }
 
 
@@ -95,9 +111,11 @@ def render_detail(d: dict[str, Any]) -> str:
     if d["limit_history"]:
         moves = ", ".join(f"{limit} ({reason})" for _t, limit, reason in d["limit_history"][-8:])
         lines.append(f"limit      {d['concurrency']}: {moves}")
-    if d["runner"]:
-        r = d["runner"]
-        lines.append(f"runner     pid {r['pid']} on {r['host']}")
+    for w in d["workers"][-8:]:  # the latest: a nightly job gains a worker a run
+        lines.append(
+            f"worker     {w['state']:7} pid {w['pid']} on {w['host']}: {w['recorded']} results, "
+            f"{w['items_per_s']} items/s, heartbeat {w['heartbeat_age_s']:g} s ago"
+        )
     for err in d["top_errors"]:
         if any(err == inv for inv in d["top_invalid"]):
             continue  # shown above

@@ -4,6 +4,7 @@ from batchrun.ledger.engine import shown_url
 from batchrun.ledger.records import ClaimedItem, IngestReport, ItemResult, Job
 from batchrun.ledger.schema import FINAL_STATUSES, STATUSES
 from batchrun.ledger.store import Ledger, runner_alive
+from batchrun.ledger.workers import Worker
 
 __all__ = [
     "FINAL_STATUSES",
@@ -13,6 +14,7 @@ __all__ = [
     "ItemResult",
     "Job",
     "Ledger",
+    "Worker",
     "runner_alive",
     "shown_url",
 ]

@@ -23,7 +23,7 @@ from sqlalchemy import Connection, Engine, inspect, select, text
 
 from batchrun.errors import LedgerError
 from batchrun.ledger.engine import WRITE_OPTION, make_engine, storage_errors
-from batchrun.ledger.schema import items, items_id_unique, jobs, schema_migrations
+from batchrun.ledger.schema import items, items_id_unique, jobs, schema_migrations, workers
 
 REPAIR_COLUMNS = ("repairs", "repair_prompt_tokens", "repair_completion_tokens")
 MIGRATION_LOCK = 0x62617463  # PostgreSQL advisory lock key for migrations ("batc")
@@ -48,10 +48,15 @@ def _v3_repair_costs(conn: Connection) -> None:
             conn.execute(text(f"ALTER TABLE items ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0"))
 
 
+def _v4_workers(conn: Connection) -> None:
+    workers.create(conn, checkfirst=True)
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "initial jobs and items", _v1_initial),
     (2, "jobs.limit_history for --concurrency auto", _v2_limit_history),
     (3, "items.repairs and repair token counts for --repair-attempts", _v3_repair_costs),
+    (4, "workers: several processes on one job", _v4_workers),
 ]
 
 

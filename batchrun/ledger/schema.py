@@ -47,6 +47,22 @@ jobs = Table(
     Column("limit_history", Text),
 )
 
+# The processes that run a job together (migration 4): each joins with a row, proves it is alive
+# with its heartbeat, and leaves. Items record their worker in `items.owner`.
+workers = Table(
+    "workers",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("job", String(200), nullable=False, index=True),
+    Column("host", String(255), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("started_at", Float, nullable=False),
+    Column("heartbeat", Float, nullable=False),
+    Column("stopped_at", Float),
+    Column("recorded", Integer, nullable=False, server_default="0"),  # results it committed
+    Column("requests", Integer, nullable=False, server_default="0"),
+)
+
 items = Table(
     "items",
     metadata,

@@ -16,7 +16,8 @@ from typing import Any
 from sqlalchemy import Connection, Engine, and_, bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
 
-from batchrun.errors import EmptyInput, InputError, JobBusy, JobExists
+from batchrun.errors import EmptyInput, InputError, JobExists
+from batchrun.ledger import workers
 from batchrun.ledger.engine import WRITE_OPTION, storage_errors
 from batchrun.ledger.ingest import Loader
 from batchrun.ledger.migrations import ready_engine
@@ -33,6 +34,7 @@ from batchrun.ledger.records import (
 from batchrun.ledger.rows import STORED_COLUMNS, as_json, claimed_of, job_of, stored_of
 from batchrun.ledger.schema import STATUSES, items, jobs
 from batchrun.ledger.stats import item_stats
+from batchrun.ledger.workers import Worker
 
 
 class Ledger:
@@ -130,98 +132,69 @@ class Ledger:
             )
         return IngestReport(accepted=accepted, rejected=rejected)
 
-    # --- the job's runner lock ---------------------------------------------------------------
+    # --- workers: the processes that run the job together (workers.py) -----------------------
 
-    def acquire(
-        self, name: str, owner: str, *, ttl: float, spec: dict[str, Any] | None = None
+    def join(
+        self, name: str, worker: str, *, ttl: float, spec: dict[str, Any] | None = None
     ) -> int:
-        """Become the job's only runner; reclaim the leases a dead runner left behind.
-
-        `spec` (this run's resolved spec) is stored in the same transaction, so a process that
-        is refused never changes the settings of the one that is running.
-
-        A runner is dead when its heartbeat is older than `ttl`, or when it ran on this host and
-        its process is gone (so a resume right after kill -9 need not wait). Returns how many
-        items were put back to pending. Raises JobBusy if a live runner holds the job.
-        """
+        """Join the job as `worker`, recording this run's spec (`status` shows the latest);
+        items that dead workers held go back to pending: how many."""
         now = time.time()
-        host = socket.gethostname()
-        with self._write("locking the job") as conn:
-            job = (
-                conn.execute(select(jobs).where(jobs.c.name == name).with_for_update())
-                .mappings()
-                .one()
-            )
-            holder = job["runner_owner"]
-            if holder and holder != owner and runner_alive(job_of(job), now, ttl, host):
-                raise JobBusy(
-                    f"job {name!r} is being run by process {job['runner_pid']} on "
-                    f"{job['runner_host']} (heartbeat {now - job['runner_heartbeat']:.0f}s ago); "
-                    "wait for it to finish or stop it first"
+        with self._write("joining the job") as conn:
+            if spec is not None:
+                conn.execute(
+                    update(jobs)
+                    .where(jobs.c.name == name)
+                    .values(spec=as_json(spec), updated_at=now)
                 )
-            conn.execute(
-                update(jobs)
-                .where(jobs.c.name == name)
-                .values(
-                    **({"spec": as_json(spec)} if spec is not None else {}),
-                    runner_owner=owner,
-                    runner_pid=os.getpid(),
-                    runner_host=host,
-                    runner_heartbeat=now,
-                    updated_at=now,
-                )
-            )
-            reclaimed = conn.execute(
-                update(items)
-                .where(items.c.job == name, items.c.status == "running")
-                .values(status="pending", owner=None, lease_expires=None, updated_at=now)
-            ).rowcount
-        return int(reclaimed)
+            return workers.join(conn, name, worker, ttl=ttl, now=now)
 
     def heartbeat(
-        self, name: str, owner: str, *, lease_ttl: float, limits: list[LimitMove] | None = None
-    ) -> bool:
-        """Prove the runner is alive and extend its leases (and note the adaptive limit's
-        history, if given). False: another runner took over."""
-        now = time.time()
-        extra = {"limit_history": as_json(limits)} if limits else {}
+        self,
+        name: str,
+        worker: str,
+        *,
+        lease_ttl: float,
+        progress: tuple[int, int] = (0, 0),
+        limits: list[LimitMove] | None = None,
+    ) -> int:
+        """The worker is alive (its leases renewed, its results and requests counted, the
+        adaptive limit's history noted); leases of workers that are gone are reclaimed: how
+        many items went back to pending."""
         with self._write("renewing leases") as conn:
-            held = conn.execute(
-                update(jobs)
-                .where(jobs.c.name == name, jobs.c.runner_owner == owner)
-                .values(runner_heartbeat=now, **extra)
-            ).rowcount
-            if not held:
-                return False
-            conn.execute(
-                update(items)
-                .where(items.c.job == name, items.c.owner == owner, items.c.status == "running")
-                .values(lease_expires=now + lease_ttl)
-            )
-        return True
-
-    def release(self, name: str, owner: str, *, limits: list[LimitMove] | None = None) -> int:
-        """Give the job up: unfinished claims go back to pending. Returns how many."""
-        now = time.time()
-        extra = {"limit_history": as_json(limits)} if limits else {}
-        with self._write("releasing the job") as conn:
-            back = conn.execute(
-                update(items)
-                .where(items.c.job == name, items.c.owner == owner, items.c.status == "running")
-                .values(status="pending", owner=None, lease_expires=None, updated_at=now)
-            ).rowcount
-            conn.execute(
-                update(jobs)
-                .where(jobs.c.name == name, jobs.c.runner_owner == owner)
-                .values(
-                    runner_owner=None,
-                    runner_pid=None,
-                    runner_heartbeat=None,
-                    updated_at=now,
-                    **extra,
+            workers.beat(conn, name, worker, lease_ttl=lease_ttl, progress=progress)
+            if limits:
+                conn.execute(
+                    update(jobs).where(jobs.c.name == name).values(limit_history=as_json(limits))
                 )
-            )
-        return int(back)
+            return workers.reclaim(conn, name, worker, ttl=lease_ttl, now=time.time())
+
+    def release(
+        self,
+        name: str,
+        worker: str,
+        *,
+        progress: tuple[int, int] = (0, 0),
+        limits: list[LimitMove] | None = None,
+    ) -> int:
+        """The worker leaves: its unfinished claims go back to pending. Returns how many."""
+        with self._write("releasing the job") as conn:
+            if limits:
+                conn.execute(
+                    update(jobs).where(jobs.c.name == name).values(limit_history=as_json(limits))
+                )
+            return workers.leave(conn, name, worker, progress=progress)
+
+    def waiting_on_others(self, name: str, worker: str, *, ttl: float) -> bool:
+        """Nothing to claim: whether there may be more. Dead workers' items are reclaimed here
+        first (then there is more at once); other workers' items may come back too."""
+        with self._write("looking for unfinished work") as conn:
+            back = workers.reclaim(conn, name, worker, ttl=ttl, now=time.time())
+            return back > 0 or workers.others_running(conn, name, worker) > 0
+
+    def workers(self, name: str) -> list[Worker]:
+        with self._read("listing workers") as conn:
+            return workers.listed(conn, name)
 
     # --- items ------------------------------------------------------------------------------
 
@@ -234,22 +207,25 @@ class Ledger:
         primary key instead of a walk over every finished item before it.
         """
         now = time.time()
-        pending = (
+        # Chosen once (a materialised CTE: PostgreSQL may otherwise run a LIMIT subquery more
+        # than once and claim past it); rows another worker is claiming now are passed over
+        # (SKIP LOCKED), not waited for. SQLite has no row locks: its write lock serialises.
+        claimable = (
             select(items.c.line)
             .where(items.c.job == name, items.c.line > after_line, items.c.status == "pending")
             .order_by(items.c.line)
             .limit(limit)
-            .scalar_subquery()
+            .with_for_update(skip_locked=True)
+            .cte("claimable")
+            .prefix_with("MATERIALIZED", dialect="postgresql")
         )
         stmt = (
             update(items)
             # status again here: PostgreSQL re-checks only the outer WHERE after a row lock
-            .where(items.c.job == name, items.c.line.in_(pending), items.c.status == "pending")
-            # and only while we still hold the job: a stalled runner that was taken over stops
             .where(
-                select(jobs.c.name)
-                .where(jobs.c.name == name, jobs.c.runner_owner == owner)
-                .exists()
+                items.c.job == name,
+                items.c.line.in_(select(claimable.c.line)),
+                items.c.status == "pending",
             )
             .values(status="running", owner=owner, lease_expires=now + lease_ttl, updated_at=now)
             .returning(

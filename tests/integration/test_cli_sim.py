@@ -265,7 +265,7 @@ def test_unknown_model_aborts_with_3(
     assert fixed.returncode == 0, fixed.stderr
 
 
-def test_second_runner_of_a_live_job_is_refused_with_2(
+def test_a_second_process_on_a_live_job_joins_it_as_a_worker(
     cli: CLI, sim_server: Callable[..., str], tmp_path: Path
 ) -> None:
     url = sim_server(*SLOW)
@@ -274,14 +274,16 @@ def test_second_runner_of_a_live_job_is_refused_with_2(
     first = cli.start("submit", str(inp), "--base-url", url, "--concurrency", "4", "--quiet")
     try:
         cli.wait_for("big", 10, first)
-        second = cli.run("resume", "big")
-        assert second.returncode == 2, second.stderr
-        assert "is being run by process" in second.stderr
+        second = cli.run("resume", "big", "--base-url", url, "--concurrency", "4", "--quiet")
+        assert second.returncode in (0, 1), second.stderr  # 1: it ended while first still ran
         assert "Traceback" not in second.stderr
     finally:
         first.wait(timeout=60)
     assert first.returncode == 0
     assert_exactly_once(cli, "big", prompts)
+    log = [json.loads(x) for x in (cli.home / "logs" / "big.log").read_text().splitlines()]
+    owners = {e["owner"] for e in log if e["event"] == "run_started"}
+    assert len(owners) == 2  # two workers took part
 
 
 def test_local_problems_are_clear_errors_not_tracebacks(cli: CLI, tmp_path: Path) -> None:

@@ -94,19 +94,30 @@ def test_kill_9_midway_then_resume_on_postgresql_commits_each_result_once(
     assert shown.returncode == 0 and '"done": 300' in shown.stdout
 
 
-def test_a_second_runner_of_a_live_job_on_postgresql_is_refused(
+def test_three_workers_on_postgresql_one_killed_finish_every_item_once(
     cli: CLI, sim_server: Callable[..., str], pg_ledger: str, tmp_path: Path
 ) -> None:
     url = sim_server(*SLOW)
-    inp = tmp_path / "busy.jsonl"
-    write_prompts(inp, 200)
+    inp = tmp_path / "many.jsonl"
+    write_prompts(inp, 400)
     ledger = ("--ledger", pg_ledger)
-    first = cli.start(*ledger, "submit", str(inp), "--base-url", url, "--concurrency", "4", "-q")
+    assert cli.run(*ledger, "submit", str(inp), "--no-run", "--quiet").returncode == 0
+    with psycopg.connect(plain(pg_ledger), autocommit=True) as conn:
+        conn.execute(AUDIT)
+    run = (*ledger, "resume", "many", "--base-url", url, "--concurrency", "4", "--quiet")
+    workers = [cli.start(*run) for _ in range(3)]
     deadline = time.monotonic() + 60
-    while counts(pg_ledger, "busy").get("done", 0) < 5:
-        assert first.poll() is None and time.monotonic() < deadline
+    while counts(pg_ledger, "many").get("done", 0) < 80:
+        assert time.monotonic() < deadline, counts(pg_ledger, "many")
         time.sleep(0.05)
-    second = cli.run(*ledger, "resume", "busy", "--base-url", url, "--quiet")
-    assert second.returncode == 2 and "is being run by process" in second.stderr
-    first.send_signal(signal.SIGINT)
-    assert first.wait(timeout=30) == 130
+    workers[1].send_signal(signal.SIGKILL)  # its items come back to the others
+    workers[1].wait(timeout=10)  # reaped, as init would: a zombie still answers kill(pid, 0)
+    codes = [w.wait(timeout=180) for w in workers]
+    said = [w.stderr.read() if w.stderr else "" for w in workers]
+    assert codes[1] == -signal.SIGKILL and codes[0] == codes[2] == 0, (codes, said)
+    assert counts(pg_ledger, "many") == {"done": 400}
+    with psycopg.connect(plain(pg_ledger)) as conn:
+        per_line = dict(conn.execute("SELECT line, count(*) FROM audit GROUP BY line").fetchall())
+        took_part = conn.execute("SELECT count(*) FROM workers").fetchone()
+    assert sorted(per_line) == list(range(1, 401)) and set(per_line.values()) == {1}
+    assert took_part is not None and took_part[0] == 3

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import inspect, text
 
-from batchrun.errors import EmptyInput, InputError, JobBusy, JobExists, LedgerError
+from batchrun.errors import EmptyInput, InputError, JobExists, LedgerError
 from batchrun.inputs import BadLine, InputItem
 from batchrun.ledger import ItemResult, Ledger
 from batchrun.ledger.engine import make_engine
@@ -158,7 +158,7 @@ def test_digest_may_be_computed_after_the_lines_are_read(ledger: Ledger) -> None
 
 def test_claim_leases_lowest_lines_first_and_moves_them_to_running(ledger: Ledger) -> None:
     make_job(ledger, 10)
-    ledger.acquire("j", "me", ttl=60)
+    ledger.join("j", "me", ttl=60)
     claimed = ledger.claim("j", "me", 4, lease_ttl=60)
     assert [c.line for c in claimed] == [1, 2, 3, 4]
     assert [c.item_id for c in claimed] == ["id1", "id2", "id3", "id4"]
@@ -170,7 +170,7 @@ def test_claim_leases_lowest_lines_first_and_moves_them_to_running(ledger: Ledge
 
 def test_record_completes_items_and_counts_attempts(ledger: Ledger) -> None:
     make_job(ledger, 3)
-    ledger.acquire("j", "me", ttl=60)
+    ledger.join("j", "me", ttl=60)
     ledger.claim("j", "me", 3, lease_ttl=60)
     changed = ledger.record(
         "j",
@@ -191,7 +191,7 @@ def test_record_completes_items_and_counts_attempts(ledger: Ledger) -> None:
 
 def test_late_duplicate_result_changes_nothing(ledger: Ledger) -> None:
     make_job(ledger, 2)
-    ledger.acquire("j", "me", ttl=60)
+    ledger.join("j", "me", ttl=60)
     ledger.claim("j", "me", 2, lease_ttl=60)
     assert ledger.record("j", "me", [done(1, "first")]) == 1
     assert ledger.record("j", "me", [done(1, "second")]) == 0  # already final
@@ -203,7 +203,7 @@ def test_late_duplicate_result_changes_nothing(ledger: Ledger) -> None:
 
 def test_release_puts_unfinished_claims_back_to_pending(ledger: Ledger) -> None:
     make_job(ledger, 5)
-    ledger.acquire("j", "me", ttl=60)
+    ledger.join("j", "me", ttl=60)
     ledger.claim("j", "me", 5, lease_ttl=60)
     ledger.record("j", "me", [done(1), done(2)])
     assert ledger.release("j", "me") == 3
@@ -213,16 +213,18 @@ def test_release_puts_unfinished_claims_back_to_pending(ledger: Ledger) -> None:
     assert job is not None and job.runner_owner is None
 
 
-def test_live_runner_blocks_a_second_one(ledger: Ledger) -> None:
-    make_job(ledger, 3)
-    ledger.acquire("j", "first", ttl=60)  # this process: alive
-    with pytest.raises(JobBusy, match="is being run by process"):
-        ledger.acquire("j", "second", ttl=60)
+def test_a_second_worker_joins_and_claims_other_items(ledger: Ledger) -> None:
+    make_job(ledger, 6)
+    ledger.join("j", "first", ttl=60)  # this process: alive
+    assert [c.line for c in ledger.claim("j", "first", 2, lease_ttl=60)] == [1, 2]
+    assert ledger.join("j", "second", ttl=60) == 0  # a live worker's items stay its own
+    assert [c.line for c in ledger.claim("j", "second", 10, lease_ttl=60)] == [3, 4, 5, 6]
+    assert [w.id for w in ledger.workers("j")] == ["first", "second"]
 
 
 def test_dead_runners_leases_are_reclaimed_at_once(ledger: Ledger) -> None:
     make_job(ledger, 6)
-    ledger.acquire("j", "crashed", ttl=600)
+    ledger.join("j", "crashed", ttl=600)
     ledger.claim("j", "crashed", 4, lease_ttl=600)
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
@@ -230,20 +232,21 @@ def test_dead_runners_leases_are_reclaimed_at_once(ledger: Ledger) -> None:
         text=True,
         check=True,
     )
-    with ledger.engine.begin() as conn:  # pretend the crashed runner was that exited process
-        conn.execute(text("UPDATE jobs SET runner_pid = :pid"), {"pid": int(dead.stdout)})
-    assert ledger.acquire("j", "new", ttl=600) == 4
+    with ledger.engine.begin() as conn:  # pretend the crashed worker was that exited process
+        conn.execute(text("UPDATE workers SET pid = :pid"), {"pid": int(dead.stdout)})
+    assert ledger.join("j", "new", ttl=600) == 4
     assert ledger.counts("j")["pending"] == 6
     assert [c.line for c in ledger.claim("j", "new", 10, lease_ttl=60)] == [1, 2, 3, 4, 5, 6]
 
 
-def test_stale_heartbeat_lets_a_new_runner_in(ledger: Ledger) -> None:
+def test_a_worker_with_a_stale_heartbeat_loses_its_items(ledger: Ledger) -> None:
     make_job(ledger, 2)
-    ledger.acquire("j", "old", ttl=60)
+    ledger.join("j", "old", ttl=60)
     ledger.claim("j", "old", 2, lease_ttl=60)
     with ledger.engine.begin() as conn:
-        conn.execute(text("UPDATE jobs SET runner_heartbeat = :t"), {"t": time.time() - 3600})
-    assert ledger.acquire("j", "new", ttl=60) == 2
+        conn.execute(text("UPDATE workers SET heartbeat = :t"), {"t": time.time() - 3600})
+    assert ledger.join("j", "new", ttl=60) == 2
+    assert [w.stopped_at is not None for w in ledger.workers("j")] == [True, False]
 
 
 def leases(ledger: Ledger) -> list[float]:
@@ -253,7 +256,7 @@ def leases(ledger: Ledger) -> list[float]:
 
 def test_heartbeat_extends_leases(ledger: Ledger) -> None:
     make_job(ledger, 2)
-    ledger.acquire("j", "me", ttl=60)
+    ledger.join("j", "me", ttl=60)
     ledger.claim("j", "me", 2, lease_ttl=1)
     before = leases(ledger)
     ledger.heartbeat("j", "me", lease_ttl=120)
@@ -263,7 +266,7 @@ def test_heartbeat_extends_leases(ledger: Ledger) -> None:
 
 def test_requeue_puts_failed_and_invalid_back(ledger: Ledger) -> None:
     make_job(ledger, 3)
-    ledger.acquire("j", "me", ttl=60)
+    ledger.join("j", "me", ttl=60)
     ledger.claim("j", "me", 3, lease_ttl=60)
     ledger.record(
         "j",
@@ -292,7 +295,7 @@ def test_iter_results_pages_in_input_order(ledger: Ledger) -> None:
 
 def test_item_stats_percentiles_and_totals(ledger: Ledger) -> None:
     make_job(ledger, 4)
-    ledger.acquire("j", "me", ttl=60)
+    ledger.join("j", "me", ttl=60)
     ledger.claim("j", "me", 4, lease_ttl=60)
     ledger.record(
         "j",
@@ -319,7 +322,7 @@ def test_ledger_survives_reopen(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     first = Ledger(url)
     make_job(first, 3)
-    first.acquire("j", "me", ttl=60)
+    first.join("j", "me", ttl=60)
     first.claim("j", "me", 1, lease_ttl=60)
     first.record("j", "me", [done(1)])
     first.close()
@@ -360,13 +363,21 @@ def test_reads_do_not_wait_for_a_writer(tmp_path: Path) -> None:
         blocker.close()
 
 
-def test_heartbeat_reports_a_lost_job_lock(ledger: Ledger) -> None:
-    make_job(ledger, 2)
-    ledger.acquire("j", "first", ttl=60)
-    assert ledger.heartbeat("j", "first", lease_ttl=60) is True
-    with ledger.engine.begin() as conn:  # a second runner took over after a stall
-        conn.execute(text("UPDATE jobs SET runner_owner = 'second'"))
-    assert ledger.heartbeat("j", "first", lease_ttl=60) is False
+def test_a_frozen_worker_whose_leases_ran_out_commits_nothing_and_carries_on(
+    ledger: Ledger,
+) -> None:
+    make_job(ledger, 6)
+    ledger.join("j", "frozen", ttl=60)
+    assert [c.line for c in ledger.claim("j", "frozen", 2, lease_ttl=60)] == [1, 2]
+    with ledger.engine.begin() as conn:  # it stopped (SIGSTOP) past its lease
+        conn.execute(text("UPDATE items SET lease_expires = :t"), {"t": time.time() - 1})
+    ledger.join("j", "live", ttl=60)  # the live worker reclaims what ran out
+    assert [c.line for c in ledger.claim("j", "live", 2, lease_ttl=60)] == [1, 2]
+    # it wakes up: its results for those items change nothing, its heartbeat takes nothing
+    assert ledger.record("j", "frozen", [ItemResult(1, "done", 1, output="late")]) == 0
+    assert ledger.heartbeat("j", "frozen", lease_ttl=60) == 0
+    assert ledger.record("j", "live", [ItemResult(1, "done", 1, output="mine")]) == 1
+    assert [c.line for c in ledger.claim("j", "frozen", 2, lease_ttl=60)] == [3, 4]
 
 
 def test_runner_alive_rules() -> None:
@@ -382,14 +393,15 @@ def test_runner_alive_rules() -> None:
     assert runner_alive(elsewhere, now, 60, "h")
 
 
-def test_a_runner_that_was_taken_over_claims_nothing(ledger: Ledger) -> None:
-    make_job(ledger, 6)
-    ledger.acquire("j", "stalled", ttl=60)
-    assert len(ledger.claim("j", "stalled", 2, lease_ttl=60)) == 2
-    with ledger.engine.begin() as conn:  # its heartbeat went stale and another runner took over
-        conn.execute(text("UPDATE jobs SET runner_owner = 'new'"))
-    assert ledger.claim("j", "stalled", 2, lease_ttl=60) == []
-    assert [c.line for c in ledger.claim("j", "new", 10, lease_ttl=60)] == [3, 4, 5, 6]
+def test_a_worker_waits_only_while_others_hold_items(ledger: Ledger) -> None:
+    make_job(ledger, 3)
+    ledger.join("j", "a", ttl=60)
+    ledger.join("j", "b", ttl=60)
+    ledger.claim("j", "a", 3, lease_ttl=60)
+    assert ledger.waiting_on_others("j", "b", ttl=60)  # a's items may come back
+    assert not ledger.waiting_on_others("j", "a", ttl=60)  # its own do not count
+    assert ledger.release("j", "a") == 3
+    assert not ledger.waiting_on_others("j", "b", ttl=60)
 
 
 def test_migrations_bring_an_older_ledger_up_to_date(tmp_path: Path) -> None:
@@ -422,7 +434,7 @@ def test_migrations_bring_an_older_ledger_up_to_date(tmp_path: Path) -> None:
     )
     conn.close()
     engine = make_engine(f"sqlite:///{db}")
-    assert migrate(engine) == 2  # v2 and v3 ran
+    assert migrate(engine) == 3  # v2, v3 and v4 ran
     assert "limit_history" in {c["name"] for c in inspect(engine).get_columns("jobs")}
     assert {"repairs", "repair_prompt_tokens", "repair_completion_tokens"} <= {
         c["name"] for c in inspect(engine).get_columns("items")
@@ -450,7 +462,7 @@ def test_a_job_is_not_started_until_a_request_is_recorded_and_stopped_after(
     make_job(ledger, 2)
     job = ledger.get_job("j")
     assert job is not None and job_detail(ledger, job)["state"] == "not started"
-    ledger.acquire("j", "me", ttl=60)
+    ledger.join("j", "me", ttl=60)
     ledger.claim("j", "me", 2, lease_ttl=60)
     failed = ItemResult(line=1, status="failed", attempts=3, error="HTTP 500")
     ledger.record("j", "me", [failed, done(2)])
