@@ -15,6 +15,7 @@ import functools
 import os
 import signal
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -53,6 +54,7 @@ class JobReport:
     rejected: int = 0  # bad lines this call recorded as rejected (skip_invalid)
     notes: tuple[str, ...] = ()  # things the caller should know (the input file changed...)
     stats: RunStats = field(default_factory=RunStats)  # this run's requests, retries, tokens
+    workers: int = 1  # processes that worked on the job while this one ran (this one too)
 
     @property
     def ok(self) -> bool:
@@ -248,7 +250,7 @@ class _Listen:
 
 async def _run(led: Ledger, where: Home, name: str, spec: RunSpec, listen: _Listen) -> JobReport:
     """Run what is left, then finish: results written once no item is left."""
-    counts = led.counts(name)
+    counts, started = led.counts(name), time.time()
     stats, notes = RunStats(), tuple[str, ...]()
     if counts["pending"] or counts["running"]:
         stats = await verbs.run_job(
@@ -268,7 +270,9 @@ async def _run(led: Ledger, where: Home, name: str, spec: RunSpec, listen: _List
     # the results file is written here: off the event loop, which may be the caller's
     counts, complete = await anyio.to_thread.run_sync(verbs.finish, led, where, name, final_spec)
     output = where.output_path(name) if complete else None
-    return JobReport(name, counts, complete, output, notes=notes, stats=stats)
+    took_part = sum((w.stopped_at or time.time()) >= started for w in led.workers(name))
+    report = JobReport(name, counts, complete, output, notes=notes, stats=stats)
+    return replace(report, workers=max(1, took_part))
 
 
 def _standing(led: Ledger, where: Home, name: str) -> JobReport:

@@ -46,6 +46,8 @@ def summary_line(report: JobReport) -> str:
             f" | {stats.requests} requests, {stats.retries} retries, {secs:.1f}s, "
             f"{stats.recorded / secs:.1f} items/s, {stats.output_tokens / secs:,.0f} out tok/s"
         )
+    if report.workers > 1:
+        text += f" | {report.workers} workers"
     if stats.repairs:
         text += f" | {stats.repairs} repairs ({stats.repair_tokens:,} tokens)"
     if stats.guided_refused:

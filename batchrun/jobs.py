@@ -273,12 +273,15 @@ async def _stop_on_signals(runner: Runner) -> None:
 
 
 def finish(ledger: Ledger, home: Home, name: str, spec: RunSpec) -> tuple[dict[str, int], bool]:
-    """After a run: when no item is left to do, mark the job finished and write its results."""
+    """After a run: when no item is left to do, mark the job finished and write its results:
+    once, by the worker that finished it (or again, when the file is missing: a crash between
+    the two, or a user who deleted it)."""
     counts = ledger.counts(name)
     complete = counts["pending"] == 0 and counts["running"] == 0
-    if complete:
-        export(ledger, home.output_path(name), name, spec)
-    ledger.mark_finished(name, complete)
+    first = ledger.mark_finished(name, complete)
+    path = home.output_path(name)
+    if complete and (first or not path.exists()):
+        export(ledger, path, name, spec)
     return counts, complete
 
 

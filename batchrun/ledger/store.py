@@ -71,14 +71,16 @@ class Ledger:
             rows = conn.execute(select(jobs).order_by(jobs.c.created_at)).mappings().all()
         return [job_of(r) for r in rows]
 
-    def mark_finished(self, name: str, finished: bool) -> None:
+    def mark_finished(self, name: str, finished: bool) -> bool:
+        """Mark the job finished (or not); True when this call finished it, so that of several
+        workers ending together one writes the results file."""
         now = time.time()
         with self._write("updating a job") as conn:
-            conn.execute(
-                update(jobs)
-                .where(jobs.c.name == name)
-                .values(finished_at=now if finished else None, updated_at=now)
-            )
+            if not finished:
+                conn.execute(update(jobs).where(jobs.c.name == name).values(finished_at=None))
+                return False
+            first = update(jobs).where(jobs.c.name == name, jobs.c.finished_at.is_(None))
+            return bool(conn.execute(first.values(finished_at=now, updated_at=now)).rowcount)
 
     def create_job(
         self,

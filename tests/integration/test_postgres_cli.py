@@ -121,3 +121,5 @@ def test_three_workers_on_postgresql_one_killed_finish_every_item_once(
         took_part = conn.execute("SELECT count(*) FROM workers").fetchone()
     assert sorted(per_line) == list(range(1, 401)) and set(per_line.values()) == {1}
     assert took_part is not None and took_part[0] == 3
+    assert any(" workers" in text for text in said), said  # the summary says how many
+    assert [o["id"] for o in cli.output("many")] == [f"item-{i}" for i in range(400)]

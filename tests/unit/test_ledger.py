@@ -471,3 +471,11 @@ def test_a_job_is_not_started_until_a_request_is_recorded_and_stopped_after(
     job = ledger.get_job("j")
     assert job is not None and job_detail(ledger, job)["state"] == "stopped"
     assert jobs_table(ledger)[0]["state"] == "stopped"
+
+
+def test_of_two_workers_ending_together_one_finishes_the_job(ledger: Ledger) -> None:
+    make_job(ledger, 1)
+    assert ledger.mark_finished("j", True) is True  # this one writes the results file
+    assert ledger.mark_finished("j", True) is False  # the other does not
+    assert ledger.mark_finished("j", False) is False
+    assert ledger.mark_finished("j", True) is True
