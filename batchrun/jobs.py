@@ -273,15 +273,17 @@ async def _stop_on_signals(runner: Runner) -> None:
 
 
 def finish(ledger: Ledger, home: Home, name: str, spec: RunSpec) -> tuple[dict[str, int], bool]:
-    """After a run: when no item is left to do, mark the job finished and write its results:
-    once, by the worker that finished it (or again, when the file is missing: a crash between
-    the two, or a user who deleted it)."""
+    """After a run: when no item is left to do, write the job's results and mark it finished:
+    by the worker that finds it complete first (two ending at once may both write it: the
+    same lines, atomically), and again when the file is missing."""
     counts = ledger.counts(name)
     complete = counts["pending"] == 0 and counts["running"] == 0
-    first = ledger.mark_finished(name, complete)
-    path = home.output_path(name)
-    if complete and (first or not path.exists()):
-        export(ledger, path, name, spec)
+    if not complete:
+        return counts, complete
+    path, job = home.output_path(name), ledger.get_job(name)
+    if job is None or job.finished_at is None or not path.exists():
+        export(ledger, path, name, spec)  # before marking: a failed write is tried again
+    ledger.mark_finished(name, True)
     return counts, complete
 
 

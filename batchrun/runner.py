@@ -247,9 +247,11 @@ class Runner:
                     after_line=last_line,
                 )
                 if not batch:
-                    if not await self._others_may_return():
+                    # what other workers put back can be behind our last claim: look from the
+                    # start once, then wait while any may come
+                    if last_line == 0 and not await self._more_may_come():
                         return
-                    last_line = 0  # what comes back can be anywhere in the file
+                    last_line = 0
                     continue
                 last_line = batch[-1].line
                 for item in batch:
@@ -260,13 +262,12 @@ class Runner:
                     except anyio.WouldBlock:
                         await send.send(item)
 
-    async def _others_may_return(self) -> bool:
-        """Nothing left to claim: wait while other workers hold items (one that dies leaves
-        them for us, once its lease runs out); False when none is held elsewhere."""
-        ttl = self.settings.lease_ttl
-        if not await self._db(self.ledger.waiting_on_others, self.job, self.owner, ttl=ttl):
+    async def _more_may_come(self) -> bool:
+        """Nothing left to claim: wait while items are pending or held by other workers (one
+        that dies leaves them to us: the heartbeat reclaims them); False when none is."""
+        if not await self._db(self.ledger.more_may_come, self.job, self.owner):
             return False
-        with anyio.move_on_after(min(1.0, ttl / 6)):  # then look again (the feeder claims)
+        with anyio.move_on_after(min(1.0, self.settings.lease_ttl / 6)):  # then claim again
             await self._stopping.wait()
         return not self._stopping.is_set()
 

@@ -55,6 +55,7 @@ workers = Table(
     Column("id", String(64), primary_key=True),
     Column("job", String(200), nullable=False, index=True),
     Column("host", String(255), nullable=False),
+    Column("machine", String(64), nullable=False),  # whether its pid can be checked here
     Column("pid", Integer, nullable=False),
     Column("started_at", Float, nullable=False),
     Column("heartbeat", Float, nullable=False),

@@ -77,8 +77,7 @@ class Ledger:
         now = time.time()
         with self._write("updating a job") as conn:
             if not finished:
-                conn.execute(update(jobs).where(jobs.c.name == name).values(finished_at=None))
-                return False
+                return False  # a job is unfinished again only when items are requeued
             first = update(jobs).where(jobs.c.name == name, jobs.c.finished_at.is_(None))
             return bool(conn.execute(first.values(finished_at=now, updated_at=now)).rowcount)
 
@@ -141,15 +140,12 @@ class Ledger:
     ) -> int:
         """Join the job as `worker`, recording this run's spec (`status` shows the latest);
         items that dead workers held go back to pending: how many."""
-        now = time.time()
         with self._write("joining the job") as conn:
+            back = workers.join(conn, name, worker, ttl=ttl)  # the job's row is locked first
             if spec is not None:
-                conn.execute(
-                    update(jobs)
-                    .where(jobs.c.name == name)
-                    .values(spec=as_json(spec), updated_at=now)
-                )
-            return workers.join(conn, name, worker, ttl=ttl, now=now)
+                stored = {"spec": as_json(spec), "updated_at": time.time()}
+                conn.execute(update(jobs).where(jobs.c.name == name).values(**stored))
+            return back
 
     def heartbeat(
         self,
@@ -164,12 +160,13 @@ class Ledger:
         adaptive limit's history noted); leases of workers that are gone are reclaimed: how
         many items went back to pending."""
         with self._write("renewing leases") as conn:
-            workers.beat(conn, name, worker, lease_ttl=lease_ttl, progress=progress)
+            workers.lock_job(conn, name)
             if limits:
                 conn.execute(
                     update(jobs).where(jobs.c.name == name).values(limit_history=as_json(limits))
                 )
-            return workers.reclaim(conn, name, worker, ttl=lease_ttl, now=time.time())
+            workers.beat(conn, name, worker, lease_ttl=lease_ttl, progress=progress)
+            return workers.reclaim(conn, name, worker, ttl=lease_ttl)
 
     def release(
         self,
@@ -181,18 +178,19 @@ class Ledger:
     ) -> int:
         """The worker leaves: its unfinished claims go back to pending. Returns how many."""
         with self._write("releasing the job") as conn:
+            workers.lock_job(conn, name)
             if limits:
                 conn.execute(
                     update(jobs).where(jobs.c.name == name).values(limit_history=as_json(limits))
                 )
             return workers.leave(conn, name, worker, progress=progress)
 
-    def waiting_on_others(self, name: str, worker: str, *, ttl: float) -> bool:
-        """Nothing to claim: whether there may be more. Dead workers' items are reclaimed here
-        first (then there is more at once); other workers' items may come back too."""
-        with self._write("looking for unfinished work") as conn:
-            back = workers.reclaim(conn, name, worker, ttl=ttl, now=time.time())
-            return back > 0 or workers.others_running(conn, name, worker) > 0
+    def more_may_come(self, name: str, worker: str) -> bool:
+        """Nothing was claimed: whether items are pending (put back behind this worker's
+        claims) or held by others (they may come back). A read: idle workers do not hold the
+        write lock; heartbeats reclaim what dead workers held."""
+        with self._read("looking for unfinished work") as conn:
+            return workers.more_may_come(conn, name, worker)
 
     def workers(self, name: str) -> list[Worker]:
         with self._read("listing workers") as conn:
@@ -208,7 +206,6 @@ class Ledger:
         A runner passes the last line it claimed, so each claim is a short range scan of the
         primary key instead of a walk over every finished item before it.
         """
-        now = time.time()
         # Chosen once (a materialised CTE: PostgreSQL may otherwise run a LIMIT subquery more
         # than once and claim past it); rows another worker is claiming now are passed over
         # (SKIP LOCKED), not waited for. SQLite has no row locks: its write lock serialises.
@@ -229,7 +226,12 @@ class Ledger:
                 items.c.line.in_(select(claimable.c.line)),
                 items.c.status == "pending",
             )
-            .values(status="running", owner=owner, lease_expires=now + lease_ttl, updated_at=now)
+            .values(
+                status="running",
+                owner=owner,
+                lease_expires=bindparam("expires"),
+                updated_at=bindparam("now"),
+            )
             .returning(
                 items.c.line,
                 items.c.item_id,
@@ -240,7 +242,8 @@ class Ledger:
             )
         )
         with self._write("claiming items") as conn:
-            rows = conn.execute(stmt).all()
+            now = workers.db_now(conn)  # leases in the database's time, for every host alike
+            rows = conn.execute(stmt, {"expires": now + lease_ttl, "now": now}).all()
         return sorted((claimed_of(row) for row in rows), key=lambda c: c.line)
 
     def record(self, name: str, owner: str, results: list[ItemResult]) -> int:

@@ -1,22 +1,25 @@
 """Several processes on one job: each joins as a worker (a row with its host, pid and heartbeat),
 leases items in small batches, and leaves. A worker whose heartbeat stops (killed, frozen, its
-machine gone) loses its leases to the live ones once they expire, or at once when it ran on the
-same host and its process is gone. A result is committed only under the lease that claimed it
-(store.record), so a worker that wakes up after its items went to another commits nothing for
-them and carries on with new claims.
+machine gone) loses its leases to the live ones once they expire, or at once when it ran in the
+same process namespace of the same boot of the same machine and its process is gone. A result
+is committed only under the lease that claimed it (store.record), so a worker that wakes up
+after its items went to another commits nothing for them and carries on with new claims.
 
-These take an open write transaction (store.Ledger makes it): BEGIN IMMEDIATE on SQLite, a row
-lock on the job on PostgreSQL, so joins and reclaims of one job never interleave.
+Time is the database's (`db_now`): hosts' clocks may differ, the server's is one. Writes that
+may touch other workers' items lock the job's row first, in the same order everywhere.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import time
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 
-from sqlalchemy import Connection, and_, func, or_, select, update
+from sqlalchemy import Connection, and_, exists, or_, select, text, update
 
 from batchrun.ledger.schema import items, jobs, workers
 
@@ -27,6 +30,7 @@ class Worker:
 
     id: str
     host: str
+    machine: str  # this boot of this machine, in this pid namespace (see `this_machine`)
     pid: int
     started_at: float
     heartbeat: float
@@ -35,114 +39,131 @@ class Worker:
     requests: int
 
     def alive(self, now: float, ttl: float) -> bool:
-        """Running, by the evidence: not stopped, a recent heartbeat, and (on this host) its
-        process still there."""
+        """Running, by the evidence: not stopped, a recent heartbeat, and (where its pid means
+        something to us) its process still there."""
         if self.stopped_at is not None or now - self.heartbeat > ttl:
             return False
-        return self.host != socket.gethostname() or pid_alive(self.pid)
+        return self.machine != this_machine() or pid_alive(self.pid)
 
 
-def join(conn: Connection, name: str, worker: str, *, ttl: float, now: float) -> int:
-    """Add `worker` to the job and reclaim what dead workers left; how many items went back."""
+@cache
+def this_machine() -> str:
+    """Who can check a pid: the hostname alone is shared by containers and cloned images, so
+    the kernel's boot id and our pid namespace go with it."""
+    parts = [socket.gethostname()]
+    try:
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+        parts.append(os.readlink("/proc/self/ns/pid"))
+    except OSError:  # not Linux: the hostname alone
+        pass
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def db_now(conn: Connection) -> float:
+    """The database's clock (PostgreSQL's, for every host alike); SQLite is on this machine."""
+    if conn.dialect.name == "postgresql":
+        clock = conn.execute(text("SELECT extract(epoch from clock_timestamp())")).scalar()
+        return float(clock or 0.0)
+    return time.time()
+
+
+def lock_job(conn: Connection, name: str) -> None:
+    """Take the job's row first: joins, heartbeats and reclaims of one job then never
+    deadlock on each other's items (SQLite's write lock already serialises them)."""
     conn.execute(select(jobs.c.name).where(jobs.c.name == name).with_for_update()).first()
-    host = socket.gethostname()
-    conn.execute(
-        workers.insert().values(
-            id=worker, job=name, host=host, pid=os.getpid(), started_at=now, heartbeat=now
-        )
-    )
-    return reclaim(conn, name, worker, ttl=ttl, now=now)
 
 
-def reclaim(conn: Connection, name: str, worker: str, *, ttl: float, now: float) -> int:
-    """Items leased by workers that are gone go back to pending: their lease ran out, or their
-    worker ran on this host and its process is gone (no need to wait out a kill -9 here)."""
-    gone = [w.id for w in listed(conn, name) if w.id != worker and not w.alive(now, ttl)]
+def join(conn: Connection, name: str, worker: str, *, ttl: float) -> int:
+    """Add `worker` to the job and reclaim what dead workers left; how many items went back."""
+    lock_job(conn, name)
+    now = db_now(conn)
+    row = {"host": socket.gethostname(), "machine": this_machine(), "pid": os.getpid()}
+    conn.execute(workers.insert().values(id=worker, job=name, started_at=now, heartbeat=now, **row))
+    return reclaim(conn, name, worker, ttl=ttl)
+
+
+def reclaim(conn: Connection, name: str, worker: str, *, ttl: float) -> int:
+    """Items leased by workers that are gone go back to pending: their lease ran out, their
+    process is gone, or they belong to no worker (a runner from before workers)."""
+    now = db_now(conn)
+    gone = [w.id for w in listed(conn, name, live=True) if w.id != worker and not w.alive(now, ttl)]
     expired = and_(items.c.lease_expires.is_not(None), items.c.lease_expires < now)
+    unknown = ~exists().where(workers.c.id == items.c.owner)
     stmt = (
         update(items)
         .where(items.c.job == name, items.c.status == "running", items.c.owner != worker)
-        .where(or_(expired, items.c.owner.in_(gone), items.c.owner.not_in(_known(conn, name))))
+        .where(or_(expired, items.c.owner.in_(gone), unknown))
         .values(status="pending", owner=None, lease_expires=None, updated_at=now)
     )
     back = conn.execute(stmt).rowcount
     if gone:  # say so in `status`: their heartbeat will not come
-        conn.execute(
-            update(workers)
-            .where(workers.c.id.in_(gone), workers.c.stopped_at.is_(None))
-            .values(stopped_at=now)
-        )
+        conn.execute(update(workers).where(workers.c.id.in_(gone)).values(stopped_at=now))
     return int(back)
-
-
-def _known(conn: Connection, name: str) -> list[str]:
-    """Every worker that ever joined the job (an owner not among them is a runner from before
-    workers: its items are reclaimed as a dead worker's)."""
-    return list(conn.execute(select(workers.c.id).where(workers.c.job == name)).scalars())
 
 
 def beat(
     conn: Connection, name: str, worker: str, *, lease_ttl: float, progress: tuple[int, int]
 ) -> None:
-    """The worker is alive: its heartbeat, its counts (results, requests), its leases renewed."""
+    """The worker is alive: its heartbeat, its counts (results, requests), its leases renewed.
+    If it was taken for gone while frozen, it is back (its old leases are not)."""
     recorded, requests = progress
-    moment = time.time()
+    now = db_now(conn)
     conn.execute(
         update(workers)
         .where(workers.c.id == worker)
-        # alive: if it was taken for gone while frozen, it is back (its old leases are not)
-        .values(heartbeat=moment, stopped_at=None, recorded=recorded, requests=requests)
+        .values(heartbeat=now, stopped_at=None, recorded=recorded, requests=requests)
     )
     conn.execute(
         update(items)
         .where(items.c.job == name, items.c.owner == worker, items.c.status == "running")
-        .values(lease_expires=moment + lease_ttl)
+        .values(lease_expires=now + lease_ttl)
     )
 
 
 def leave(conn: Connection, name: str, worker: str, *, progress: tuple[int, int]) -> int:
     """The worker stops: its unfinished claims go back to pending; how many."""
-    moment = time.time()
+    now = db_now(conn)
     recorded, requests = progress
     back = conn.execute(
         update(items)
         .where(items.c.job == name, items.c.owner == worker, items.c.status == "running")
-        .values(status="pending", owner=None, lease_expires=None, updated_at=moment)
+        .values(status="pending", owner=None, lease_expires=None, updated_at=now)
     ).rowcount
     conn.execute(
         update(workers)
         .where(workers.c.id == worker)
-        .values(stopped_at=moment, heartbeat=moment, recorded=recorded, requests=requests)
+        .values(stopped_at=now, heartbeat=now, recorded=recorded, requests=requests)
     )
     return int(back)
 
 
-def others_running(conn: Connection, name: str, worker: str) -> int:
-    """Items other workers hold now: they may come back to pending, so a worker with nothing
-    to claim waits for them rather than leaving them to a dead worker's lease."""
-    count = conn.execute(
-        select(func.count())
-        .select_from(items)
-        .where(items.c.job == name, items.c.status == "running", items.c.owner != worker)
-    ).scalar()
-    return int(count or 0)
+def more_may_come(conn: Connection, name: str, worker: str) -> bool:
+    """Nothing was claimed: is there more? Items pending (put back behind the claims by a
+    worker that left, or reclaimed), or held by other workers (they may come back). A read."""
+    left = or_(
+        items.c.status == "pending", and_(items.c.status == "running", items.c.owner != worker)
+    )
+    found = conn.execute(select(items.c.line).where(items.c.job == name, left).limit(1)).first()
+    return found is not None
 
 
-def listed(conn: Connection, name: str) -> list[Worker]:
-    rows = conn.execute(
-        select(
-            workers.c.id,
-            workers.c.host,
-            workers.c.pid,
-            workers.c.started_at,
-            workers.c.heartbeat,
-            workers.c.stopped_at,
-            workers.c.recorded,
-            workers.c.requests,
-        )
-        .where(workers.c.job == name)
-        .order_by(workers.c.started_at)
-    ).all()
+def listed(conn: Connection, name: str, *, live: bool = False) -> list[Worker]:
+    """The job's workers, oldest first; `live`: only those not stopped (the history of nightly
+    runs is not read on every heartbeat)."""
+    query = select(
+        workers.c.id,
+        workers.c.host,
+        workers.c.machine,
+        workers.c.pid,
+        workers.c.started_at,
+        workers.c.heartbeat,
+        workers.c.stopped_at,
+        workers.c.recorded,
+        workers.c.requests,
+    ).where(workers.c.job == name)
+    if live:
+        query = query.where(workers.c.stopped_at.is_(None))
+    rows = conn.execute(query.order_by(workers.c.started_at)).all()
     return [Worker(*row) for row in rows]
 
 

@@ -393,15 +393,34 @@ def test_runner_alive_rules() -> None:
     assert runner_alive(elsewhere, now, 60, "h")
 
 
-def test_a_worker_waits_only_while_others_hold_items(ledger: Ledger) -> None:
+def test_a_worker_waits_while_items_are_pending_or_held_by_others(ledger: Ledger) -> None:
     make_job(ledger, 3)
     ledger.join("j", "a", ttl=60)
     ledger.join("j", "b", ttl=60)
     ledger.claim("j", "a", 3, lease_ttl=60)
-    assert ledger.waiting_on_others("j", "b", ttl=60)  # a's items may come back
-    assert not ledger.waiting_on_others("j", "a", ttl=60)  # its own do not count
-    assert ledger.release("j", "a") == 3
-    assert not ledger.waiting_on_others("j", "b", ttl=60)
+    assert ledger.more_may_come("j", "b")  # a's items may come back
+    assert not ledger.more_may_come("j", "a")  # its own do not count
+    assert ledger.release("j", "a") == 3  # put back, behind b's last claim: still to do
+    assert ledger.more_may_come("j", "b")
+    ledger.claim("j", "b", 3, lease_ttl=60)
+    results = [ItemResult(line, "done", 1, output="x") for line in (1, 2, 3)]
+    assert ledger.record("j", "b", results) == 3
+    assert not ledger.more_may_come("j", "b")
+
+
+def test_a_worker_whose_pid_cannot_be_checked_here_is_judged_by_its_heartbeat(
+    ledger: Ledger,
+) -> None:
+    make_job(ledger, 2)
+    ledger.join("j", "elsewhere", ttl=60)
+    ledger.claim("j", "elsewhere", 2, lease_ttl=60)
+    with ledger.engine.begin() as conn:  # same hostname, another machine or container
+        conn.execute(text("UPDATE workers SET machine = 'other', pid = 999999"))
+    assert ledger.join("j", "here", ttl=60) == 0  # its heartbeat is fresh: it keeps its items
+    with ledger.engine.begin() as conn:
+        conn.execute(text("UPDATE workers SET pid = 999999 WHERE id = 'here'"))
+        conn.execute(text("UPDATE workers SET machine = 'other' WHERE id = 'here'"))
+    assert ledger.heartbeat("j", "here", lease_ttl=60) == 0
 
 
 def test_migrations_bring_an_older_ledger_up_to_date(tmp_path: Path) -> None:
@@ -477,5 +496,3 @@ def test_of_two_workers_ending_together_one_finishes_the_job(ledger: Ledger) -> 
     make_job(ledger, 1)
     assert ledger.mark_finished("j", True) is True  # this one writes the results file
     assert ledger.mark_finished("j", True) is False  # the other does not
-    assert ledger.mark_finished("j", False) is False
-    assert ledger.mark_finished("j", True) is True
