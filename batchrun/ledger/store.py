@@ -6,7 +6,6 @@ item that is still `running` under the caller's lease, and a job has at most one
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -34,7 +33,7 @@ from batchrun.ledger.records import (
 from batchrun.ledger.rows import STORED_COLUMNS, as_json, claimed_of, job_of, stored_of
 from batchrun.ledger.schema import STATUSES, items, jobs
 from batchrun.ledger.stats import item_stats
-from batchrun.ledger.workers import Worker
+from batchrun.ledger.workers import Worker, pid_alive
 
 
 class Ledger:
@@ -363,15 +362,5 @@ def runner_alive(job: Job, now: float, ttl: float, host: str | None = None) -> b
     if beat is None or now - beat > ttl:
         return False
     if job.runner_host == host and job.runner_pid:
-        return _pid_alive(job.runner_pid)
-    return True
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+        return pid_alive(job.runner_pid)
     return True
