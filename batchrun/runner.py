@@ -235,7 +235,7 @@ class Runner:
 
     async def _feeder(self, send: MemoryObjectSendStream[ClaimedItem]) -> None:
         batch_size = max(8, min(256, self.spec.most_in_flight * 2))
-        last_line = 0  # within a run nothing behind this line becomes pending again
+        last_line = 0  # claims walk forward; what other workers put back is found by a look from 0
         async with send:
             while not self._stopping.is_set():
                 batch = await self._db(
