@@ -20,10 +20,17 @@ class TokenBucket:
     def __init__(self, per_minute: float, *, burst: float | None = None) -> None:
         if per_minute <= 0:
             raise ValueError("per_minute must be positive")
+        self.per_minute = per_minute
         self.rate = per_minute / 60.0
         self.capacity = burst if burst is not None else per_minute / 60.0 * 5  # 5 s of burst
         self.level = self.capacity
         self.updated: float | None = None
+
+    def share(self, fraction: float) -> None:
+        """Keep `fraction` of the budget (this worker's part of a job's): rate and burst."""
+        self.rate = self.per_minute / 60.0 * fraction
+        self.capacity = self.rate * 5
+        self.level = min(self.level, self.capacity)
 
     def _refill(self, now: float) -> None:
         if self.updated is not None:
@@ -79,6 +86,12 @@ class Pacer:
         if self.tokens is not None:
             wait = max(wait, self.tokens.take(now, estimated_tokens))
         return wait
+
+    def share(self, workers: int) -> None:
+        """--rpm/--tpm are budgets for the whole job: with `workers` live, take a part each."""
+        for bucket in (self.requests, self.tokens):
+            if bucket is not None:
+                bucket.share(1 / max(1, workers))
 
     def pause(self, until: float) -> None:
         self.pause_until = max(self.pause_until, until)

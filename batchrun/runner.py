@@ -76,6 +76,7 @@ class Runner:
             pacing, clock=self.settings.clock, sleep=self.settings.sleep, on_change=self._adjust
         )
         self._server_load = server_load
+        self._sharing = 1  # workers the --rpm/--tpm budget is shared between
         self._limit_log: deque[tuple[float, int, str]] = deque(maxlen=20)
         if progress is not None:
             progress.concurrency = self.throttle.limit
@@ -219,8 +220,21 @@ class Runner:
         if self._workers_scope is not None:
             self._workers_scope.cancel()
 
+    async def _share_budget(self) -> None:
+        """--rpm/--tpm are the whole job's: this worker takes its part of them, 1/N with N
+        workers alive (itself too), looked at again with each heartbeat."""
+        if self.spec.rpm is None and self.spec.tpm is None:
+            return
+        live = await self._db(self.ledger.live_workers, self.job, ttl=self.settings.lease_ttl)
+        live = max(1, live)
+        if live != self._sharing:
+            self._sharing = live
+            self.throttle.pacer.share(live)
+            self.log.event("budget_share", workers=live, rpm=self.spec.rpm, tpm=self.spec.tpm)
+
     async def _heartbeat(self) -> None:
         while True:
+            await self._share_budget()
             await anyio.sleep(self.settings.lease_ttl / 3)
             reclaimed = await self._db(
                 self.ledger.heartbeat,

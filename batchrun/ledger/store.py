@@ -191,6 +191,10 @@ class Ledger:
         with self._read("looking for unfinished work") as conn:
             return workers.more_may_come(conn, name, worker)
 
+    def live_workers(self, name: str, *, ttl: float) -> int:
+        with self._read("counting workers") as conn:
+            return workers.live_count(conn, name, ttl=ttl)
+
     def workers(self, name: str) -> list[Worker]:
         with self._read("listing workers") as conn:
             return workers.listed(conn, name)

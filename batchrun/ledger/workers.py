@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from sqlalchemy import Connection, and_, exists, or_, select, text, update
+from sqlalchemy import Connection, and_, exists, func, or_, select, text, update
 
 from batchrun.ledger.schema import items, jobs, workers
 
@@ -175,3 +175,10 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def live_count(conn: Connection, name: str, *, ttl: float) -> int:
+    """Workers of the job that are running now, by their heartbeats (database time)."""
+    fresh = workers.c.heartbeat > db_now(conn) - ttl
+    query = select(func.count()).where(workers.c.job == name, workers.c.stopped_at.is_(None))
+    return int(conn.execute(query.where(fresh)).scalar() or 0)

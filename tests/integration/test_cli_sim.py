@@ -271,10 +271,11 @@ def test_a_second_process_on_a_live_job_joins_it_as_a_worker(
     url = sim_server(*SLOW)
     inp = tmp_path / "big.jsonl"
     prompts = write_prompts(inp, 300)
-    first = cli.start("submit", str(inp), "--base-url", url, "--concurrency", "4", "--quiet")
+    pace = ("--concurrency", "4", "--rpm", "12000", "--quiet")  # the job's budget, shared
+    first = cli.start("submit", str(inp), "--base-url", url, *pace)
     try:
         cli.wait_for("big", 10, first)
-        second = cli.run("resume", "big", "--base-url", url, "--concurrency", "4", "--quiet")
+        second = cli.run("resume", "big", "--base-url", url, *pace)
         assert second.returncode in (0, 1), second.stderr  # 1: it ended while first still ran
         assert "Traceback" not in second.stderr
     finally:
@@ -284,6 +285,8 @@ def test_a_second_process_on_a_live_job_joins_it_as_a_worker(
     log = [json.loads(x) for x in (cli.home / "logs" / "big.log").read_text().splitlines()]
     owners = {e["owner"] for e in log if e["event"] == "run_started"}
     assert len(owners) == 2  # two workers took part
+    shares = [e["workers"] for e in log if e["event"] == "budget_share"]
+    assert 2 in shares, shares  # the second took half of --rpm
 
 
 def test_local_problems_are_clear_errors_not_tracebacks(cli: CLI, tmp_path: Path) -> None:

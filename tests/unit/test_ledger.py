@@ -496,3 +496,15 @@ def test_of_two_workers_ending_together_one_finishes_the_job(ledger: Ledger) -> 
     make_job(ledger, 1)
     assert ledger.mark_finished("j", True) is True  # this one writes the results file
     assert ledger.mark_finished("j", True) is False  # the other does not
+
+
+def test_live_workers_are_counted_by_their_heartbeats(ledger: Ledger) -> None:
+    make_job(ledger, 2)
+    ledger.join("j", "a", ttl=60)
+    ledger.join("j", "b", ttl=60)
+    assert ledger.live_workers("j", ttl=60) == 2
+    ledger.release("j", "b")
+    assert ledger.live_workers("j", ttl=60) == 1
+    with ledger.engine.begin() as conn:  # a's heartbeat is old: not counted
+        conn.execute(text("UPDATE workers SET heartbeat = heartbeat - 3600 WHERE id = 'a'"))
+    assert ledger.live_workers("j", ttl=60) == 0

@@ -94,3 +94,20 @@ def test_a_429_pauses_everyone_only_when_the_whole_budget_is_spent() -> None:
     pacer.failed(10.0, RateLimited("429", retry_after=4.0, budget_spent=True))
     assert pacer.wait(11.0, 100) == pytest.approx(3.0)
     assert pacer.wait(14.5, 100) == 0
+
+
+def test_a_workers_part_of_the_jobs_budget() -> None:
+    def sent_in_a_minute(pacer: Pacer) -> int:
+        now, sent = 0.0, 0
+        while True:
+            now += pacer.wait(now, 1)  # each request goes when the pacer lets it
+            if now >= 60:
+                return sent
+            sent += 1
+
+    alone, shared = Pacer(rpm=600), Pacer(rpm=600)
+    shared.share(3)  # three workers on the job: 200 a minute each
+    assert 600 <= sent_in_a_minute(alone) <= 660  # a minute's budget plus its 5 s of burst
+    assert 200 <= sent_in_a_minute(shared) <= 220
+    shared.share(1)  # the others left: the whole budget again
+    assert shared.requests is not None and shared.requests.rate == 10.0
