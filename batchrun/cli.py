@@ -119,6 +119,12 @@ RUN_OPTIONS: list[Callable[[F], F]] = [
         type=click.FloatRange(min=0),
         help="Seconds the endpoint may stay unreachable before the job stops [60].",
     ),
+    click.option(
+        "--lease",
+        type=click.FloatRange(min=1),
+        help="Seconds a worker's claims outlive its last heartbeat; a worker silent longer "
+        "loses its items to the others [60].",
+    ),
     click.option("--max-tokens", type=click.IntRange(min=1), help="Default max_tokens."),
     click.option("--temperature", type=float, help="Default temperature."),
     click.option("--top-p", type=float, help="Default top_p."),

@@ -138,6 +138,7 @@ class RunSpec:
     max_attempts: int = 5
     timeout: float = 120.0
     outage_timeout: float = 60.0
+    lease: float = 60.0  # a worker silent longer than this loses its items to the others
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -211,6 +212,7 @@ class RunOptions(TypedDict, total=False):
     max_attempts: int | None
     timeout: float | None
     outage_timeout: float | None
+    lease: float | None
     max_tokens: int | None
     temperature: float | None
     top_p: float | None
@@ -356,6 +358,8 @@ def _validate(spec: RunSpec, preset: Preset | None) -> None:
         raise OptionError("{timeout} must be positive")
     if spec.outage_timeout < 0:
         raise OptionError("{outage_timeout} must be 0 or more")
+    if spec.lease < 1:
+        raise OptionError("{lease} must be at least 1 second")
     for name in ("max_tokens", "max_line_bytes", "max_input_chars", "max_input_tokens"):
         value = getattr(spec, name)
         if value is not None and value < 1:

@@ -185,7 +185,7 @@ async def run_job(
 ) -> RunStats:
     """Run every item that is not final yet. Ctrl-C/SIGTERM stop it gracefully."""
     rules = output_rules(spec)
-    settings = settings or RunnerSettings()
+    settings = settings or RunnerSettings(lease_ttl=spec.lease)
     transport = transport or sim_transport(spec)
     backend = build_backend(spec, transport)
     reader = metrics_reader(spec, transport)

@@ -46,23 +46,30 @@ def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
         "limit_history": job.limit_history,
         "created_at": job.created_at,
         "finished_at": job.finished_at,
-        "workers": [_worker(w, now) for w in ledger.workers(job.name)],
+        "workers": [_worker(w, now, _lease(ledger, job.name)) for w in ledger.workers(job.name)],
         **stats,
     }
 
 
 def _live(ledger: Ledger, name: str) -> list[Worker]:
     now = time.time()
-    return [w for w in ledger.workers(name) if w.alive(now, LEASE_TTL)]
+    return [w for w in ledger.workers(name) if w.alive(now, _lease(ledger, name))]
 
 
-def _worker(w: Worker, now: float) -> dict[str, Any]:
+def _lease(ledger: Ledger, name: str) -> float:
+    """The lease the job last ran with (--lease)."""
+    job = ledger.get_job(name)
+    lease = job.spec.get("lease") if job else None
+    return float(lease) if isinstance(lease, (int, float)) else LEASE_TTL
+
+
+def _worker(w: Worker, now: float, lease: float) -> dict[str, Any]:
     """A worker as `status` shows it: where, since when, what it did, and whether it lives."""
     return {
         "id": w.id[:12],
         "host": w.host,
         "pid": w.pid,
-        "state": "running" if w.alive(now, LEASE_TTL) else "stopped",
+        "state": "running" if w.alive(now, lease) else "stopped",
         "started_at": w.started_at,
         "heartbeat_age_s": round(now - w.heartbeat, 1),
         "recorded": w.recorded,
