@@ -162,9 +162,5 @@ class JobExists(LedgerError):
     """A job of that name is already in the ledger (another submit may have just made it)."""
 
 
-class JobBusy(LedgerError):
-    """Another live process is running this job."""
-
-
 class OutputError(BatchrunError):
     """The results file could not be written; any earlier results file is left untouched."""

@@ -24,7 +24,7 @@ def jobs_table(ledger: Ledger) -> list[dict[str, Any]]:
     rows = []
     for job in ledger.list_jobs():
         counts = ledger.counts(job.name)
-        state = _state(counts, ledger.attempts(job.name), _live(ledger, job.name))
+        state = _state(counts, ledger.attempts(job.name), _live(ledger, job))
         rows.append({"job": job.name, "state": state, "total": job.total, **counts})
     return rows
 
@@ -32,10 +32,10 @@ def jobs_table(ledger: Ledger) -> list[dict[str, Any]]:
 def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
     counts = ledger.counts(job.name)
     stats = ledger.item_stats(job.name)
-    spec, now = job.spec, time.time()
+    spec, now, lease = job.spec, time.time(), _lease(job)
     return {
         "job": job.name,
-        "state": _state(counts, stats["attempts"], _live(ledger, job.name)),
+        "state": _state(counts, stats["attempts"], _live(ledger, job)),
         "input": job.input_path,
         "input_digest": job.input_digest,
         "total": job.total,
@@ -46,20 +46,20 @@ def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
         "limit_history": job.limit_history,
         "created_at": job.created_at,
         "finished_at": job.finished_at,
-        "workers": [_worker(w, now, _lease(ledger, job.name)) for w in ledger.workers(job.name)],
+        "workers": [_worker(w, now, lease) for w in ledger.workers(job.name)],
         **stats,
     }
 
 
-def _live(ledger: Ledger, name: str) -> list[Worker]:
+def _live(ledger: Ledger, job: Job) -> list[Worker]:
     now = time.time()
-    return [w for w in ledger.workers(name) if w.alive(now, _lease(ledger, name))]
+    lease = _lease(job)
+    return [w for w in ledger.workers(job.name) if w.alive(now, lease)]
 
 
-def _lease(ledger: Ledger, name: str) -> float:
+def _lease(job: Job) -> float:
     """The lease the job last ran with (--lease)."""
-    job = ledger.get_job(name)
-    lease = job.spec.get("lease") if job else None
+    lease = job.spec.get("lease")
     return float(lease) if isinstance(lease, (int, float)) else LEASE_TTL
 
 

@@ -3,7 +3,7 @@
 from batchrun.ledger.engine import shown_url
 from batchrun.ledger.records import ClaimedItem, IngestReport, ItemResult, Job
 from batchrun.ledger.schema import FINAL_STATUSES, STATUSES
-from batchrun.ledger.store import Ledger, runner_alive
+from batchrun.ledger.store import Ledger
 from batchrun.ledger.workers import Worker
 
 __all__ = [
@@ -15,6 +15,5 @@ __all__ = [
     "Job",
     "Ledger",
     "Worker",
-    "runner_alive",
     "shown_url",
 ]

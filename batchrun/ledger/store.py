@@ -6,7 +6,6 @@ item that is still `running` under the caller's lease, and a job has at most one
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -33,7 +32,7 @@ from batchrun.ledger.records import (
 from batchrun.ledger.rows import STORED_COLUMNS, as_json, claimed_of, job_of, stored_of
 from batchrun.ledger.schema import STATUSES, items, jobs
 from batchrun.ledger.stats import item_stats
-from batchrun.ledger.workers import Worker, pid_alive
+from batchrun.ledger.workers import Worker
 
 
 class Ledger:
@@ -356,15 +355,3 @@ class Ledger:
         """Token totals, latency percentiles and the commonest errors, for `status`."""
         with self._read("reading stats") as conn:
             return item_stats(conn, name)
-
-
-def runner_alive(job: Job, now: float, ttl: float, host: str | None = None) -> bool:
-    """Is the job's recorded runner still alive? Dead when its heartbeat is older than `ttl`,
-    or when it ran on this host and its process is gone."""
-    host = host or socket.gethostname()
-    beat = job.runner_heartbeat
-    if beat is None or now - beat > ttl:
-        return False
-    if job.runner_host == host and job.runner_pid:
-        return pid_alive(job.runner_pid)
-    return True

@@ -9,7 +9,7 @@ import pytest
 from batchrun import jobs
 from batchrun.backends.build import checked_key, sim_config
 from batchrun.config import resolve
-from batchrun.errors import JobBusy, UsageError
+from batchrun.errors import JobExists, UsageError
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,7 @@ def test_keys_that_cannot_be_a_header_are_refused(monkeypatch: pytest.MonkeyPatc
 
 
 def test_task_group_errors_are_unwrapped_to_the_batchrun_error() -> None:
-    busy = JobBusy("job is being run")
+    busy = JobExists("job exists")
     group = BaseExceptionGroup("tg", [BaseExceptionGroup("inner", [busy])])
     assert jobs._single_error(group) is busy
     bug = ValueError("bug")  # one error alone (a callback's): as raised

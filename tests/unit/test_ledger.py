@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sqlite3
 import subprocess
@@ -378,19 +377,6 @@ def test_a_frozen_worker_whose_leases_ran_out_commits_nothing_and_carries_on(
     assert ledger.heartbeat("j", "frozen", lease_ttl=60) == 0
     assert ledger.record("j", "live", [ItemResult(1, "done", 1, output="mine")]) == 1
     assert [c.line for c in ledger.claim("j", "frozen", 2, lease_ttl=60)] == [3, 4]
-
-
-def test_runner_alive_rules() -> None:
-    from batchrun.ledger import Job
-    from batchrun.ledger.store import runner_alive
-
-    now = time.time()
-    me = Job("j", "x", "d", {}, 1, now, now, None, "me", os.getpid(), "h", now)
-    assert runner_alive(me, now, 60, "h")
-    assert not runner_alive(dataclasses.replace(me, runner_heartbeat=now - 61), now, 60, "h")
-    assert not runner_alive(dataclasses.replace(me, runner_heartbeat=None), now, 60, "h")
-    elsewhere = dataclasses.replace(me, runner_host="elsewhere", runner_pid=999999)
-    assert runner_alive(elsewhere, now, 60, "h")
 
 
 def test_a_worker_waits_while_items_are_pending_or_held_by_others(ledger: Ledger) -> None:
