@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from batchrun.bench.selftest import client_bound
 from tests.integration.helpers import CLI
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -175,8 +176,11 @@ def test_several_endpoints_in_one_run_and_the_client_self_test(
     assert {c["endpoint"] for c in data["cells"]} == {"one", "two"}
     st = data["selftest"]
     assert st["request_throughput"] > 0 and st["chunk_rate"] > 0
-    # "one" is the self-test's own zero-latency simulator: this client is what limits it.
-    assert _cell(data, "short", 4)["client_bound"] is True
+    # Each verdict must follow from the recorded figures and the self-test's (its rule is tested
+    # in test_bench.py). Whether a zero-latency server reads as client-bound depends on the load on
+    # this machine at that moment, so the verdict itself is not pinned.
+    for cell in data["cells"]:
+        assert cell["client_bound"] is client_bound(cell, st)
     assert "client self-test" in result.stdout
 
 
