@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
-from batchrun.errors import BatchrunError, FatalError, OptionError
+from batchrun.errors import BatchrunError, FatalError, LedgerError, OptionError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -58,6 +58,9 @@ def errors_to_exit_codes(fn: F) -> F:
         except OptionError as exc:  # named by the flags that set them
             say(f"error: {exc.naming(flag)}")
             sys.exit(EXIT_USAGE)
+        except LedgerError as exc:  # a database server out of reach: try again later
+            say(f"{'aborted' if exc.out_of_reach else 'error'}: {exc}")
+            sys.exit(EXIT_ABORTED if exc.out_of_reach else EXIT_USAGE)
         except BatchrunError as exc:
             say(f"error: {exc}")
             sys.exit(EXIT_USAGE)

@@ -153,9 +153,10 @@ class LedgerError(BatchrunError):
     """The ledger could not be opened, read or written (disk full, read-only, corrupt), or
     refused a change that would break its rules (the subclasses below)."""
 
-    def __init__(self, message: str, *, busy: bool = False) -> None:
+    def __init__(self, message: str, *, busy: bool = False, out_of_reach: bool = False) -> None:
         super().__init__(message)
         self.busy = busy  # another process held the lock past the busy timeout
+        self.out_of_reach = out_of_reach  # the database server is restarting or unreachable
 
 
 class JobExists(LedgerError):

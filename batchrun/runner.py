@@ -18,7 +18,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -32,6 +31,7 @@ from batchrun.errors import (
     OutputError,
 )
 from batchrun.ledger import ClaimedItem, ItemResult, Ledger
+from batchrun.ledger_calls import LedgerCalls
 from batchrun.progress import JobLog, Progress
 from batchrun.retrying import OutageWatch, RetryPolicy
 from batchrun.run_state import RunnerSettings, RunStats
@@ -39,8 +39,6 @@ from batchrun.sender import Sender
 from batchrun.server_metrics import ServerLoad
 from batchrun.structured import OutputRules
 from batchrun.throttle import Throttle
-
-T = TypeVar("T")
 
 MAX_GROUP = 1000  # results per commit at most
 
@@ -71,7 +69,12 @@ class Runner:
         retries, pacing = spec.retries, spec.pacing
         self.outage = OutageWatch(retries.outage_timeout, clock=self.settings.clock)
         self.policy = RetryPolicy(retries.max_attempts, self.outage, sleep=self.settings.sleep)
-        self._db_lock = anyio.CapacityLimiter(1)
+        self._db = LedgerCalls(
+            self.settings,
+            outage_timeout=retries.outage_timeout,
+            log=log,
+            say=progress.say if progress is not None else None,
+        )
         self.throttle = Throttle.for_pacing(
             pacing, clock=self.settings.clock, sleep=self.settings.sleep, on_change=self._adjust
         )
@@ -81,6 +84,7 @@ class Runner:
         if progress is not None:
             progress.concurrency = self.throttle.limit
         self._stopping = anyio.Event()
+        self._held: set[int] = set()  # lines claimed and not yet committed
         self._workers_scope: anyio.CancelScope | None = None
         self.rules = rules or OutputRules()
         self.sender = Sender(
@@ -118,21 +122,6 @@ class Runner:
             self.log.event("abort", error=str(error), kind=type(error).__name__)
         self._stopping.set()
 
-    async def _db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run a ledger call in a thread; wait out another process's long write lock (e.g. a
-        big ingest into the same ledger) instead of failing the run."""
-        deadline = time.monotonic() + self.settings.busy_patience
-        while True:
-            try:
-                return await anyio.to_thread.run_sync(
-                    lambda: fn(*args, **kwargs), limiter=self._db_lock
-                )
-            except LedgerError as exc:
-                if not exc.busy or time.monotonic() > deadline:
-                    raise
-                self.log.event("ledger_busy", error=str(exc))
-                await anyio.sleep(1.0)
-
     # --- the run --------------------------------------------------------------------------
 
     async def run(self) -> RunStats:
@@ -162,6 +151,7 @@ class Runner:
         except BaseException:
             # Keep the error that stopped the run; a failed release (same full disk, say) is
             # only logged; the next resume reclaims the leases anyway.
+            self._db.no_waiting = True
             with anyio.CancelScope(shield=True):
                 await self._finish(quiet_errors=True)
             raise
@@ -252,14 +242,7 @@ class Runner:
         last_line = 0  # claims walk forward; what other workers put back is found by a look from 0
         async with send:
             while not self._stopping.is_set():
-                batch = await self._db(
-                    self.ledger.claim,
-                    self.job,
-                    self.owner,
-                    batch_size,
-                    lease_ttl=self.settings.lease_ttl,
-                    after_line=last_line,
-                )
+                batch = await self._claim(batch_size, last_line)
                 if not batch:
                     # what other workers put back can be behind our last claim: look from the
                     # start once, then wait while any may come
@@ -275,6 +258,25 @@ class Runner:
                         send.send_nowait(item)
                     except anyio.WouldBlock:
                         await send.send(item)
+
+    async def _claim(self, size: int, after_line: int) -> list[ClaimedItem]:
+        outages = self._db.outages
+        batch = await self._db(
+            self.ledger.claim,
+            self.job,
+            self.owner,
+            size,
+            lease_ttl=self.settings.lease_ttl,
+            after_line=after_line,
+        )
+        self._held.update(item.line for item in batch)
+        if self._db.outages != outages:
+            # A claim that the connection lost may have committed: items leased to us that
+            # no worker here holds would wait for our lease forever; they go back to pending.
+            strays = await self._db(self.ledger.put_back_strays, self.job, self.owner, self._held)
+            if strays:
+                self.log.event("strays_put_back", items=strays)
+        return batch
 
     async def _more_may_come(self) -> bool:
         """Nothing left to claim: wait while items are pending or held by other workers (one
@@ -355,6 +357,7 @@ class Runner:
         if not group:
             return
         changed = await self._db(self.ledger.record, self.job, self.owner, group)
+        self._held.difference_update(result.line for result in group)
         self.stats.recorded += changed
         for result in group:
             self.stats.by_status[result.status] = self.stats.by_status.get(result.status, 0) + 1

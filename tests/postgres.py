@@ -44,33 +44,57 @@ def _as_owner() -> list[str]:
     return ["runuser", "-u", "postgres", "--"]
 
 
+class Cluster:
+    """A cluster in a temporary folder on a free port: made, started, stopped (a restart is a
+    stop and a start, to test what a run does while its database is away), removed."""
+
+    def __init__(self) -> None:
+        bin_dir = binaries()
+        if bin_dir is None:
+            raise RuntimeError("no PostgreSQL binaries (initdb) on this machine")
+        self.bin_dir, self.prefix = bin_dir, _as_owner()
+        self.folder = Path(tempfile.mkdtemp(prefix="batchrun-pg-"))
+        if self.prefix:
+            shutil.chown(self.folder, "postgres")
+        self.data, self.port = self.folder / "data", _free_port()
+        initdb = [str(bin_dir / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres"]
+        self._run(*initdb, "--no-sync", "-E", "UTF8")
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, *command: str) -> None:
+        subprocess.run([*self.prefix, *command], check=True, capture_output=True)
+
+    def start(self) -> None:
+        options = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.folder} -c fsync=off"
+        pg_ctl = [str(self.bin_dir / "pg_ctl"), "-D", str(self.data), "-o", options]
+        self._run(*pg_ctl, "-l", str(self.folder / "server.log"), "-w", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        """fast: sessions are ended, as a restart by an operator does; immediate: a crash."""
+        self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop")
+
+    def remove(self) -> None:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            self.stop("immediate")
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def throwaway_cluster() -> Iterator[Cluster]:
+    """A started cluster, removed afterwards."""
+    cluster = Cluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.remove()
+
+
 @contextlib.contextmanager
 def throwaway_server() -> Iterator[str]:
     """Start a cluster; yield its admin URL (postgresql+psycopg://...); stop and remove it."""
-    bin_dir = binaries()
-    if bin_dir is None:
-        raise RuntimeError("no PostgreSQL binaries (initdb) on this machine")
-    prefix = _as_owner()
-    folder = Path(tempfile.mkdtemp(prefix="batchrun-pg-"))
-    if prefix:
-        shutil.chown(folder, "postgres")
-    data, port = folder / "data", _free_port()
-    try:
-        initdb = [str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"]
-        subprocess.run(
-            [*prefix, *initdb, "--no-sync", "-E", "UTF8"], check=True, capture_output=True
-        )
-        options = f"-c listen_addresses=127.0.0.1 -p {port} -k {folder} -c fsync=off"
-        pg_ctl = [str(bin_dir / "pg_ctl"), "-D", str(data), "-o", options]
-        log = ["-l", str(folder / "server.log")]
-        subprocess.run([*prefix, *pg_ctl, *log, "-w", "start"], check=True, capture_output=True)
-        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
-    finally:
-        subprocess.run(
-            [*prefix, str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
-            capture_output=True,
-        )
-        shutil.rmtree(folder, ignore_errors=True)
+    with throwaway_cluster() as cluster:
+        yield cluster.url
 
 
 @contextlib.contextmanager

@@ -22,11 +22,11 @@ from contextlib import contextmanager
 from sqlalchemy import Connection, Engine, inspect, select, text
 
 from batchrun.errors import LedgerError
-from batchrun.ledger.engine import WRITE_OPTION, make_engine, storage_errors
+from batchrun.ledger.dialect import WRITE_OPTION, dialect_of
+from batchrun.ledger.engine import make_engine, storage_errors
 from batchrun.ledger.schema import items, items_id_unique, jobs, schema_migrations, workers
 
 REPAIR_COLUMNS = ("repairs", "repair_prompt_tokens", "repair_completion_tokens")
-MIGRATION_LOCK = 0x62617463  # PostgreSQL advisory lock key for migrations ("batc")
 
 
 def _v1_initial(conn: Connection) -> None:
@@ -99,8 +99,7 @@ def _writing(engine: Engine) -> Iterator[Connection]:
     with engine.connect() as conn:
         conn.execution_options(**{WRITE_OPTION: True})
         with conn.begin():
-            if conn.dialect.name == "postgresql":
-                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
+            dialect_of(conn).lock_migrations(conn)
             yield conn
 
 
@@ -119,10 +118,11 @@ def ready_engine(url: str, engine: Engine | None = None) -> Engine:
     not wait while a new file turns to WAL): opening tries again for a while."""
     with storage_errors("opening the ledger"):
         engine = engine or make_engine(url)
+    dialect = dialect_of(engine)
     deadline = time.monotonic() + OPEN_PATIENCE_S
     while True:
         try:
-            with storage_errors("opening the ledger"):
+            with storage_errors("opening the ledger", dialect):
                 migrate(engine)
             return engine
         except LedgerError as exc:

@@ -16,7 +16,8 @@ from sqlalchemy.exc import IntegrityError
 
 from batchrun.errors import EmptyInput, InputError, JobExists
 from batchrun.ledger import workers
-from batchrun.ledger.engine import WRITE_OPTION, storage_errors
+from batchrun.ledger.dialect import WRITE_OPTION, dialect_of
+from batchrun.ledger.engine import storage_errors
 from batchrun.ledger.ingest import Loader
 from batchrun.ledger.migrations import ready_engine
 from batchrun.ledger.records import (
@@ -39,6 +40,7 @@ class Ledger:
     def __init__(self, url: str, engine: Engine | None = None) -> None:
         self.url = url
         self.engine = ready_engine(url, engine)
+        self.dialect = dialect_of(self.engine)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -46,7 +48,7 @@ class Ledger:
     @contextmanager
     def _write(self, action: str) -> Iterator[Connection]:
         """A write transaction: BEGIN IMMEDIATE on SQLite, so it holds the lock from the start."""
-        with storage_errors(action), self.engine.connect() as conn:
+        with storage_errors(action, self.dialect), self.engine.connect() as conn:
             conn.execution_options(**{WRITE_OPTION: True})
             with conn.begin():
                 yield conn
@@ -54,7 +56,7 @@ class Ledger:
     @contextmanager
     def _read(self, action: str) -> Iterator[Connection]:
         """A read: a deferred transaction, which never waits for a writer in WAL mode."""
-        with storage_errors(action), self.engine.connect() as conn:
+        with storage_errors(action, self.dialect), self.engine.connect() as conn:
             yield conn
 
     # --- jobs ------------------------------------------------------------------------------
@@ -183,6 +185,12 @@ class Ledger:
                 )
             return workers.leave(conn, name, worker, progress=progress)
 
+    def put_back_strays(self, name: str, worker: str, held: set[int]) -> int:
+        """Items leased to `worker` beyond `held` (the lines it knows it claimed) go back to
+        pending: after a connection lost mid-claim, the claim may have committed unseen."""
+        with self._write("putting back unseen claims") as conn:
+            return workers.put_back_strays(conn, name, worker, held)
+
     def more_may_come(self, name: str, worker: str) -> bool:
         """Nothing was claimed: whether items are pending (put back behind this worker's
         claims) or held by others (they may come back). A read: idle workers do not hold the
@@ -208,17 +216,11 @@ class Ledger:
         A runner passes the last line it claimed, so each claim is a short range scan of the
         primary key instead of a walk over every finished item before it.
         """
-        # Chosen once (a materialised CTE: PostgreSQL may otherwise run a LIMIT subquery more
-        # than once and claim past it); rows another worker is claiming now are passed over
-        # (SKIP LOCKED), not waited for. SQLite has no row locks: its write lock serialises.
-        claimable = (
+        claimable = self.dialect.claimable(
             select(items.c.line)
             .where(items.c.job == name, items.c.line > after_line, items.c.status == "pending")
             .order_by(items.c.line)
             .limit(limit)
-            .with_for_update(skip_locked=True)
-            .cte("claimable")
-            .prefix_with("MATERIALIZED", dialect="postgresql")
         )
         stmt = (
             update(items)

@@ -14,14 +14,14 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-import time
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from sqlalchemy import Connection, and_, exists, func, or_, select, text, update
+from sqlalchemy import Connection, and_, exists, func, or_, select, update
 
-from batchrun.ledger.schema import items, jobs, workers
+from batchrun.ledger.dialect import dialect_of
+from batchrun.ledger.schema import items, workers
 
 
 @dataclass(frozen=True)
@@ -60,17 +60,13 @@ def this_machine() -> str:
 
 
 def db_now(conn: Connection) -> float:
-    """The database's clock (PostgreSQL's, for every host alike); SQLite is on this machine."""
-    if conn.dialect.name == "postgresql":
-        clock = conn.execute(text("SELECT extract(epoch from clock_timestamp())")).scalar()
-        return float(clock or 0.0)
-    return time.time()
+    """The clock leases are written in (PostgreSQL's, for every host alike)."""
+    return dialect_of(conn).now(conn)
 
 
 def lock_job(conn: Connection, name: str) -> None:
-    """Take the job's row first: joins, heartbeats and reclaims of one job then never
-    deadlock on each other's items (SQLite's write lock already serialises them)."""
-    conn.execute(select(jobs.c.name).where(jobs.c.name == name).with_for_update()).first()
+    """Take the job first: joins, heartbeats and reclaims of one job never deadlock."""
+    dialect_of(conn).lock_job(conn, name)
 
 
 def join(conn: Connection, name: str, worker: str, *, ttl: float) -> int:
@@ -135,6 +131,24 @@ def leave(conn: Connection, name: str, worker: str, *, progress: tuple[int, int]
         .values(stopped_at=now, heartbeat=now, recorded=recorded, requests=requests)
     )
     return int(back)
+
+
+def put_back_strays(conn: Connection, name: str, worker: str, held: set[int]) -> int:
+    """Items leased to `worker` that it does not hold (a claim whose commit reached the
+    database while the answer was lost with the connection) go back to pending; how many."""
+    mine = select(items.c.line).where(
+        items.c.job == name, items.c.owner == worker, items.c.status == "running"
+    )
+    strays = [line for line in conn.execute(mine).scalars() if line not in held]
+    if not strays:
+        return 0
+    back = conn.execute(
+        update(items)
+        .where(items.c.job == name, items.c.owner == worker, items.c.line.in_(strays))
+        .where(items.c.status == "running")
+        .values(status="pending", owner=None, lease_expires=None, updated_at=db_now(conn))
+    )
+    return int(back.rowcount)
 
 
 def more_may_come(conn: Connection, name: str, worker: str) -> bool:

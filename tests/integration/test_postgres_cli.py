@@ -3,6 +3,7 @@ tests/postgres.py): a job run, killed with kill -9 and resumed, audited from out
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -13,7 +14,7 @@ import pytest
 
 from batchrun.sim import prompt_tag
 from tests.integration.helpers import CLI, write_prompts
-from tests.postgres import fresh_database
+from tests.postgres import Cluster, fresh_database, throwaway_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -123,3 +124,79 @@ def test_three_workers_on_postgresql_one_killed_finish_every_item_once(
     assert took_part is not None and took_part[0] == 3
     assert any(" workers" in text for text in said), said  # the summary says how many
     assert [o["id"] for o in cli.output("many")] == [f"item-{i}" for i in range(400)]
+
+
+@pytest.fixture
+def own_cluster(postgres_server: str) -> Iterator[Cluster]:
+    """A cluster of this test's own, to stop and start while a run uses it (the session's
+    server, which other tests share, is left alone; `postgres_server` is asked for first so
+    that a machine without PostgreSQL skips or fails as it says)."""
+    with throwaway_cluster() as cluster:
+        yield cluster
+
+
+def events(cli: CLI, job: str) -> list[str]:
+    path = cli.home / "logs" / f"{job}.log"
+    return [json.loads(line)["event"] for line in path.read_text().splitlines() if line]
+
+
+def audited_once(url: str, lines: int) -> bool:
+    with psycopg.connect(plain(url)) as conn:
+        per_line = dict(conn.execute("SELECT line, count(*) FROM audit GROUP BY line").fetchall())
+    return sorted(per_line) == list(range(1, lines + 1)) and set(per_line.values()) == {1}
+
+
+def test_a_postgresql_restart_mid_run_is_waited_out(
+    cli: CLI, sim_server: Callable[..., str], own_cluster: Cluster, tmp_path: Path
+) -> None:
+    url = sim_server(*SLOW)
+    inp = tmp_path / "night.jsonl"
+    write_prompts(inp, 300)
+    ledger = ("--ledger", own_cluster.url)
+    assert cli.run(*ledger, "submit", str(inp), "--no-run", "--quiet").returncode == 0
+    with psycopg.connect(plain(own_cluster.url), autocommit=True) as conn:
+        conn.execute(AUDIT)
+    run = (*ledger, "resume", "night", "--base-url", url, "--concurrency", "8")
+    proc = cli.start(*run, "--outage-timeout", "60", "--quiet")
+    deadline = time.monotonic() + 60
+    while counts(own_cluster.url, "night").get("done", 0) < 60:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    own_cluster.stop("fast")  # every session ended, as an operator's restart does
+    time.sleep(3)  # requests finish meanwhile; their results wait in memory
+    assert proc.poll() is None  # still there, waiting
+    own_cluster.start()
+    assert proc.wait(timeout=120) == 0, proc.stderr.read() if proc.stderr else ""
+    assert counts(own_cluster.url, "night") == {"done": 300}
+    assert audited_once(own_cluster.url, 300)
+    said = events(cli, "night")
+    assert "ledger_unreachable" in said and "ledger_back" in said
+    assert [o["id"] for o in cli.output("night")] == [f"item-{i}" for i in range(300)]
+
+
+def test_a_database_away_past_the_outage_timeout_stops_with_exit_3_then_resumes(
+    cli: CLI, sim_server: Callable[..., str], own_cluster: Cluster, tmp_path: Path
+) -> None:
+    url = sim_server(*SLOW)
+    inp = tmp_path / "night.jsonl"
+    write_prompts(inp, 300)
+    ledger = ("--ledger", own_cluster.url)
+    assert cli.run(*ledger, "submit", str(inp), "--no-run", "--quiet").returncode == 0
+    with psycopg.connect(plain(own_cluster.url), autocommit=True) as conn:
+        conn.execute(AUDIT)
+    run = (*ledger, "resume", "night", "--base-url", url, "--concurrency", "8")
+    proc = cli.start(*run, "--outage-timeout", "2")
+    deadline = time.monotonic() + 60
+    while counts(own_cluster.url, "night").get("done", 0) < 60:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    own_cluster.stop("immediate")  # a crash
+    code = proc.wait(timeout=60)
+    said = proc.stderr.read() if proc.stderr else ""
+    assert code == 3, said
+    assert "out of reach" in said and "--outage-timeout" in said
+    own_cluster.start()
+    again = cli.run(*run, "--quiet")  # what it had not committed is sent again
+    assert again.returncode == 0, again.stderr
+    assert counts(own_cluster.url, "night") == {"done": 300}
+    assert audited_once(own_cluster.url, 300)

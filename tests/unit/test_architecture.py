@@ -85,6 +85,41 @@ def test_modules_stay_small() -> None:
         assert lines <= 420, f"{rel(path)} has {lines} lines; split it"
 
 
+DIALECT_WORDS = ("postgresql", "sqlite", "pragma", "pg_", "begin immediate", "skip locked")
+
+
+def test_what_differs_between_databases_is_in_the_dialect_seam() -> None:
+    """SQL or options for one database, or a branch on which database it is, live in
+    ledger/dialect.py; the rest of the ledger is written once for both (schema.py's
+    per-database index options aside: a table's declaration names them)."""
+    for path in sorted((PACKAGE / "ledger").glob("*.py")):
+        if path.name in ("dialect.py", "schema.py"):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "name":
+                named = node.value
+                assert not (isinstance(named, ast.Attribute) and named.attr == "dialect"), (
+                    f"{rel(path)}:{node.lineno} branches on the database: use the Dialect"
+                )
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if id(node) in docstrings:
+                    continue
+                word = next((w for w in DIALECT_WORDS if w in node.value.lower()), None)
+                assert word is None, f"{rel(path)}:{node.lineno} has {word!r}: use the Dialect"
+            if isinstance(node, ast.keyword) and node.arg:
+                assert not node.arg.startswith(("postgresql_", "sqlite_", "skip_locked")), (
+                    f"{rel(path)}:{node.lineno} passes {node.arg}: use the Dialect"
+                )
+
+
 def test_public_names_are_exactly_these() -> None:
     """The API is what batchrun/__init__.py exports: adding a name is a decision, made here."""
     import batchrun

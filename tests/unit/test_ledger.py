@@ -212,6 +212,18 @@ def test_release_puts_unfinished_claims_back_to_pending(ledger: Ledger) -> None:
     assert job is not None and job.runner_owner is None
 
 
+def test_claims_a_worker_never_saw_go_back_and_those_it_holds_stay(ledger: Ledger) -> None:
+    make_job(ledger, 6)
+    ledger.join("j", "me", ttl=60)
+    ledger.join("j", "other", ttl=60)
+    ledger.claim("j", "me", 4, lease_ttl=60)  # its answer lost with the connection, say
+    ledger.claim("j", "other", 1, lease_ttl=60)
+    assert ledger.put_back_strays("j", "me", {1, 2}) == 2  # it holds 1 and 2 only
+    assert [c.line for c in ledger.claim("j", "me", 10, lease_ttl=60)] == [3, 4, 6]
+    assert ledger.put_back_strays("j", "me", {1, 2, 3, 4, 6}) == 0
+    assert ledger.counts("j")["running"] == 6  # 5 stays the other worker's
+
+
 def test_a_second_worker_joins_and_claims_other_items(ledger: Ledger) -> None:
     make_job(ledger, 6)
     ledger.join("j", "first", ttl=60)  # this process: alive

@@ -20,8 +20,9 @@ from batchrun.backends import OpenAICompatBackend
 from batchrun.cli_errors import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_SOME_FAILED
 from batchrun.cli_report import exit_code
 from batchrun.config import resolve
+from batchrun.errors import LedgerError
 from batchrun.jobs import Home
-from batchrun.ledger import Ledger
+from batchrun.ledger import ClaimedItem, Ledger
 from batchrun.progress import JobLog
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.runner import Runner
@@ -64,10 +65,11 @@ async def run(
     n: int,
     transport: httpx.AsyncBaseTransport | None = None,
     fake: FakeTime | None = None,
+    ledger_type: type[Ledger] = Ledger,
     **options: Any,
 ) -> tuple[Ledger, RunStats, list[str]]:
     home = Home.at(tmp_path, None)
-    ledger = Ledger(home.ledger_url)
+    ledger = ledger_type(home.ledger_url)
     prompts = write_prompts(tmp_path / "in.jsonl", n)
     spec = resolve({"backend": "sim", "concurrency": 4, "max_attempts": 3, **options})
     jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
@@ -252,6 +254,46 @@ async def test_one_poison_item_behind_a_504_fails_and_the_rest_complete(tmp_path
     assert statuses == ["done"] * 3 + ["failed"] + ["done"] * 4
     assert stats.aborted is None
     assert exit_code(report(ledger.counts("j"), stats)) == EXIT_SOME_FAILED
+
+
+class LostAnswers(Ledger):
+    """A database restart at the worst moments: the first claim and the first commit reach
+    the database, and their answers are lost with the connection."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.losing = {"claim", "record"}
+
+    def _lose(self, call: str) -> None:
+        if call in self.losing:
+            self.losing.discard(call)
+            raise LedgerError(f"ledger error while {call}: server closed", out_of_reach=True)
+
+    def claim(self, *args: Any, **kwargs: Any) -> list[ClaimedItem]:
+        claimed = super().claim(*args, **kwargs)
+        self._lose("claim")
+        return claimed
+
+    def record(self, *args: Any, **kwargs: Any) -> int:
+        changed = super().record(*args, **kwargs)
+        self._lose("record")
+        return changed
+
+
+@pytest.mark.anyio
+async def test_claims_and_commits_whose_answers_were_lost_are_neither_lost_nor_doubled(
+    tmp_path: Path,
+) -> None:
+    ledger, _stats, prompts = await run(tmp_path, 60, ledger_type=LostAnswers)
+    result = rows(ledger)
+    assert [r["status"] for r in result] == ["done"] * 60  # the unseen claim was put back
+    assert all(r["attempts"] == 1 and r["owner"] is None for r in result)
+    for r, prompt in zip(result, prompts, strict=True):
+        assert r["output"].startswith(prompt_tag(prompt))
+    said = [json.loads(line) for line in (tmp_path / "logs" / "j.log").read_text().splitlines()]
+    strays = [e for e in said if e["event"] == "strays_put_back"]
+    assert len(strays) == 1 and strays[0]["items"] > 0
+    assert [e["event"] for e in said].count("ledger_back") == 2
 
 
 def test_log_times_are_utc_to_the_millisecond_and_follow_the_clock() -> None:

@@ -1,0 +1,158 @@
+"""What differs between the two databases a ledger lives in, behind one seam.
+
+The Ledger's operations (store.py, workers.py, ingest.py, migrations.py) are written once, in
+SQLAlchemy Core. What SQLite and PostgreSQL do differently is here and only here (a test holds
+that): how an engine is made, whose clock leases use, how a writer locks a job, how a claim
+passes over rows that another worker is taking, how migrations are serialised, and which
+errors mean "the database is out of reach for now" rather than "this cannot work".
+
+- SQLite: one file on one machine. Every write transaction takes the whole database's write
+  lock at BEGIN (BEGIN IMMEDIATE), so the job lock and the migration lock are that lock, and a
+  claim needs no row locks. The clock is this machine's: every process sharing the file is here.
+- PostgreSQL: many hosts. Leases and heartbeats use the server's clock (hosts' clocks differ,
+  the server's is one); writers that may touch another worker's items lock the job's row first;
+  claims lock the rows they take and skip rows another claim holds (FOR UPDATE SKIP LOCKED, in
+  a CTE that is materialised so that its LIMIT is applied once); migrations take an advisory
+  lock; a restart of the server is an outage that a run waits out, not a failure.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import CTE, Connection, Engine, Select, create_engine, event, select, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
+
+from batchrun.errors import LedgerError
+from batchrun.ledger.schema import jobs
+
+BUSY_TIMEOUT_MS = 30_000
+WRITE_OPTION = "batchrun_write"  # execution option marking a write transaction
+MIGRATION_LOCK = 0x62617463  # PostgreSQL advisory lock key for migrations ("batc")
+# SQLSTATEs of a server going away or not there yet: connection exceptions (class 08),
+# admin_shutdown, crash_shutdown, cannot_connect_now (starting up)
+OUT_OF_REACH_STATES = ("57P01", "57P02", "57P03")
+
+
+class Dialect:
+    """The contract: each method is one thing the ledger needs that the databases do
+    differently. The defaults are SQLite's."""
+
+    name = "sqlite"
+
+    def engine(self, url: str) -> Engine:
+        """An engine for `url` that follows the ledger's transaction rules: a connection marked
+        with WRITE_OPTION holds the write lock from its BEGIN; a read never waits for a writer."""
+        database = make_url(url).database or ""
+        if database and database != ":memory:":
+            folder = Path(database).parent
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise LedgerError(
+                    f"cannot create the ledger folder {folder}: {exc.strerror}"
+                ) from None
+        engine = create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": BUSY_TIMEOUT_MS / 1000}
+        )
+        event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "begin", _sqlite_begin)
+        return engine
+
+    def now(self, conn: Connection) -> float:
+        """The clock that leases and heartbeats are written in."""
+        return time.time()
+
+    def lock_job(self, conn: Connection, name: str) -> None:
+        """Inside a write: lock the job before touching items that other workers may hold, so
+        that joins, heartbeats and reclaims of one job never deadlock on each other's items."""
+        # BEGIN IMMEDIATE already holds the database's write lock
+
+    def claimable(self, query: Select[Any]) -> CTE:
+        """`query` (the lines to claim, with a LIMIT) as a CTE that a claim's UPDATE reads."""
+        return query.cte("claimable")
+
+    def lock_migrations(self, conn: Connection) -> None:
+        """Inside a write: serialise schema migrations across processes."""
+        # BEGIN IMMEDIATE already holds the database's write lock
+
+    def out_of_reach(self, exc: SQLAlchemyError) -> bool:
+        """The database cannot be reached at the moment (a server restarting, a connection
+        dropped): worth waiting for, unlike a full disk or a broken rule."""
+        return False
+
+
+class Postgres(Dialect):
+    name = "postgresql"
+
+    def engine(self, url: str) -> Engine:
+        try:  # pre_ping: a connection that a server restart closed is replaced, not used
+            return create_engine(url, pool_pre_ping=True)
+        except ImportError as exc:
+            raise LedgerError(f"the ledger URL needs a database driver: {exc}") from None
+
+    def now(self, conn: Connection) -> float:
+        clock = conn.execute(text("SELECT extract(epoch from clock_timestamp())")).scalar()
+        return float(clock or 0.0)
+
+    def lock_job(self, conn: Connection, name: str) -> None:
+        conn.execute(select(jobs.c.name).where(jobs.c.name == name).with_for_update()).first()
+
+    def claimable(self, query: Select[Any]) -> CTE:
+        # Rows another worker is claiming now are passed over, not waited for; materialised,
+        # or PostgreSQL may run the LIMIT subquery more than once and claim past it.
+        locked = query.with_for_update(skip_locked=True)
+        return locked.cte("claimable").prefix_with("MATERIALIZED")
+
+    def lock_migrations(self, conn: Connection) -> None:
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
+
+    def out_of_reach(self, exc: SQLAlchemyError) -> bool:
+        if getattr(exc, "connection_invalidated", False):
+            return True
+        state = getattr(getattr(exc, "orig", None), "sqlstate", None)
+        if state:
+            return str(state).startswith("08") or state in OUT_OF_REACH_STATES
+        # no SQLSTATE: the driver never reached a server (refused, reset, closed under us)
+        return isinstance(exc, OperationalError)
+
+
+SQLITE, POSTGRES = Dialect(), Postgres()
+DIALECTS = {d.name: d for d in (SQLITE, POSTGRES)}
+
+
+def dialect_for(url: str) -> Dialect:
+    """The dialect of a ledger URL; a database other than these two is refused."""
+    backend = make_url(url).get_backend_name()
+    if backend not in DIALECTS:
+        raise LedgerError(
+            f"a ledger lives in SQLite or PostgreSQL, not {backend!r} "
+            "(sqlite:///PATH or postgresql+psycopg://USER@HOST/DB)"
+        )
+    return DIALECTS[backend]
+
+
+def dialect_of(bind: Connection | Engine) -> Dialect:
+    return DIALECTS[bind.dialect.name]
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    # Let SQLAlchemy's "begin" event, not the driver, decide how transactions start.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute("PRAGMA synchronous = FULL")
+        cursor.execute("PRAGMA foreign_keys = ON")
+    finally:
+        cursor.close()
+
+
+def _sqlite_begin(conn: Any) -> None:
+    # Writers lock at BEGIN; readers start a deferred transaction and never wait in WAL.
+    write = conn.get_execution_options().get(WRITE_OPTION)
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
