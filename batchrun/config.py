@@ -119,6 +119,20 @@ class Retries:
     outage_timeout: float = 60.0  # seconds the endpoint may stay down before the job stops
 
 
+# Options that change what an answer is (not how fast it comes): workers of one job must agree
+# on them.
+ANSWER_FIELDS = (
+    "model",
+    "endpoint",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "schema",
+    "on_truncate",
+    "max_tokens_cap",
+)
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """Every run option, flat, under the names the CLI, spec files and the API share: what is

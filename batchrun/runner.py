@@ -23,7 +23,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from batchrun.backends import Backend
-from batchrun.config import RunSpec
+from batchrun.config import ANSWER_FIELDS, RunSpec
 from batchrun.controller import Change
 from batchrun.errors import (
     BatchrunError,
@@ -127,7 +127,12 @@ class Runner:
     async def run(self) -> RunStats:
         s = self.settings
         self.stats.reclaimed = await self._db(
-            self.ledger.join, self.job, self.owner, ttl=s.lease_ttl, spec=self.spec.to_json()
+            self.ledger.join,
+            self.job,
+            self.owner,
+            ttl=s.lease_ttl,
+            spec=self.spec.to_json(),
+            same=ANSWER_FIELDS,
         )
         self.log.event(
             "run_started",

@@ -11,10 +11,11 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import orjson
 from sqlalchemy import Connection, Engine, and_, bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
 
-from batchrun.errors import EmptyInput, InputError, JobExists
+from batchrun.errors import EmptyInput, InputError, JobExists, OptionError
 from batchrun.ledger import workers
 from batchrun.ledger.dialect import WRITE_OPTION, dialect_of
 from batchrun.ledger.engine import storage_errors
@@ -136,11 +137,22 @@ class Ledger:
     # --- workers: the processes that run the job together (workers.py) -----------------------
 
     def join(
-        self, name: str, worker: str, *, ttl: float, spec: dict[str, Any] | None = None
+        self,
+        name: str,
+        worker: str,
+        *,
+        ttl: float,
+        spec: dict[str, Any] | None = None,
+        same: tuple[str, ...] = (),
     ) -> int:
         """Join the job as `worker`, recording this run's spec (`status` shows the latest);
-        items that dead workers held go back to pending: how many."""
+        items that dead workers held go back to pending: how many. While other workers run
+        the job, `spec` must agree with the job's on the keys in `same` (the options that
+        change an answer), or OptionError says which differ, and nothing changes."""
         with self._write("joining the job") as conn:
+            if spec is not None and same:
+                workers.lock_job(conn, name)
+                _check_same(conn, name, spec, same, ttl)
             back = workers.join(conn, name, worker, ttl=ttl)  # the job's row is locked first
             if spec is not None:
                 stored = {"spec": as_json(spec), "updated_at": time.time()}
@@ -357,3 +369,27 @@ class Ledger:
         """Token totals, latency percentiles and the commonest errors, for `status`."""
         with self._read("reading stats") as conn:
             return item_stats(conn, name)
+
+
+def _check_same(
+    conn: Connection, name: str, spec: dict[str, Any], same: tuple[str, ...], ttl: float
+) -> None:
+    others = workers.live_count(conn, name, ttl=ttl)
+    row = conn.execute(select(jobs.c.spec).where(jobs.c.name == name)).first()
+    if not others or row is None:
+        return
+    theirs = orjson.loads(row.spec)
+    differ = [key for key in same if theirs.get(key) != spec.get(key)]
+    if differ:
+        said = "; ".join(
+            f"{{{key}}} {_shown(spec.get(key))} here, {_shown(theirs.get(key))} there"
+            for key in differ
+        )
+        raise OptionError(
+            f"job {OptionError.quoted(name)} is being run by {others} other worker(s) that ask "
+            f"for other answers: {said}. Join with the same options, or after they finish."
+        )
+
+
+def _shown(value: object) -> str:
+    return "(not set)" if value is None else OptionError.quoted(value)

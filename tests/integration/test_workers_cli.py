@@ -54,3 +54,21 @@ def test_a_frozen_worker_loses_its_items_and_commits_nothing_for_them(
         per_line = dict(conn.execute("SELECT line, count(*) FROM audit GROUP BY line").fetchall())
     assert sorted(per_line) == list(range(1, 201))
     assert set(per_line.values()) == {1}  # no result committed twice
+
+
+def test_a_worker_with_other_answer_options_is_refused_while_the_job_runs(
+    cli: CLI, sim_server: Callable[..., str], tmp_path: Path
+) -> None:
+    url = sim_server(*SLOW)
+    inp = tmp_path / "night.jsonl"
+    write_prompts(inp, 150)
+    assert cli.run("submit", str(inp), "--no-run", "--quiet").returncode == 0
+    run = ("resume", "night", "--base-url", url, "--concurrency", "4", "-q")
+    first = cli.start(*run)
+    cli.wait_for("night", 10, first)
+    other = cli.run(*run, "--temperature", "0.9")
+    assert other.returncode == 2, other.stderr
+    assert "--temperature 0.9 here, (not set) there" in other.stderr
+    assert "other worker" in other.stderr
+    assert first.wait(timeout=120) == 0
+    assert cli.counts("night") == {"done": 150}

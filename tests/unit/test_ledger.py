@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import inspect, text
 
-from batchrun.errors import EmptyInput, InputError, JobExists, LedgerError
+from batchrun.errors import EmptyInput, InputError, JobExists, LedgerError, OptionError
 from batchrun.inputs import BadLine, InputItem
 from batchrun.ledger import ItemResult, Ledger
 from batchrun.ledger.engine import make_engine
@@ -222,6 +222,24 @@ def test_claims_a_worker_never_saw_go_back_and_those_it_holds_stay(ledger: Ledge
     assert [c.line for c in ledger.claim("j", "me", 10, lease_ttl=60)] == [3, 4, 6]
     assert ledger.put_back_strays("j", "me", {1, 2, 3, 4, 6}) == 0
     assert ledger.counts("j")["running"] == 6  # 5 stays the other worker's
+
+
+def test_a_worker_asking_for_other_answers_cannot_join_a_running_job(ledger: Ledger) -> None:
+    make_job(ledger, 4)
+    same = ("model", "temperature")
+    ledger.join("j", "first", ttl=60, spec={"model": "m", "temperature": 0.2}, same=same)
+    with pytest.raises(OptionError) as refused:
+        ledger.join("j", "second", ttl=60, spec={"model": "m", "temperature": 0.9}, same=same)
+    said = refused.value.naming(lambda key: f"--{key}")
+    assert "1 other worker(s)" in said and "--temperature 0.9 here, 0.2 there" in said
+    assert [w.id for w in ledger.workers("j")] == ["first"]  # nothing changed
+    faster = {"model": "m", "temperature": 0.2, "concurrency": 64}  # pacing may differ
+    ledger.join("j", "third", ttl=60, spec=faster, same=same)
+    ledger.release("j", "first")
+    ledger.release("j", "third")
+    ledger.join("j", "fourth", ttl=60, spec={"model": "m", "temperature": 0.9}, same=same)
+    job = ledger.get_job("j")
+    assert job is not None and job.spec["temperature"] == 0.9  # alone now: its options
 
 
 def test_a_second_worker_joins_and_claims_other_items(ledger: Ledger) -> None:
