@@ -41,6 +41,7 @@ from batchrun.structured import OutputRules
 from batchrun.throttle import Throttle
 
 MAX_GROUP = 1000  # results per commit at most
+MAX_CLAIM = 256  # items per claim at most
 
 
 class Runner:
@@ -85,6 +86,8 @@ class Runner:
             progress.concurrency = self.throttle.limit
         self._stopping = anyio.Event()
         self._held: set[int] = set()  # lines claimed and not yet committed
+        self._unfinished = 0  # items claimed and not yet answered (in flight, queued, waiting)
+        self._room = anyio.Event()  # set when an item is answered
         self._workers_scope: anyio.CancelScope | None = None
         self.rules = rules or OutputRules()
         self.sender = Sender(
@@ -182,6 +185,7 @@ class Runner:
         with contextlib.suppress(OutputError):
             self.log.event(
                 "run_stopped",
+                owner=self.owner,
                 released=back,
                 recorded=self.stats.recorded,
                 requests=self.stats.requests,
@@ -243,11 +247,10 @@ class Runner:
                 self.log.event("reclaimed", items=reclaimed)
 
     async def _feeder(self, send: MemoryObjectSendStream[ClaimedItem]) -> None:
-        batch_size = max(8, min(256, self.spec.most_in_flight * 2))
         last_line = 0  # claims walk forward; what other workers put back is found by a look from 0
         async with send:
             while not self._stopping.is_set():
-                batch = await self._claim(batch_size, last_line)
+                batch = await self._claim(await self._claim_size(), last_line)
                 if not batch:
                     # what other workers put back can be behind our last claim: look from the
                     # start once, then wait while any may come
@@ -264,6 +267,17 @@ class Runner:
                     except anyio.WouldBlock:
                         await send.send(item)
 
+    async def _claim_size(self) -> int:
+        """Wait until fewer than two limits' worth of items are unanswered here, then claim
+        up to three: a free slot finds an item waiting, and at the end of a job no worker
+        sits on a backlog that another could send (with several workers, or after a stop)."""
+        while True:
+            most = min(MAX_CLAIM * 3 // 2, max(24, 3 * self.throttle.limit))
+            if self._unfinished <= most * 2 // 3:
+                return min(MAX_CLAIM, most - self._unfinished)
+            self._room = anyio.Event()
+            await self._room.wait()
+
     async def _claim(self, size: int, after_line: int) -> list[ClaimedItem]:
         outages = self._db.outages
         batch = await self._db(
@@ -275,6 +289,7 @@ class Runner:
             after_line=after_line,
         )
         self._held.update(item.line for item in batch)
+        self._unfinished += len(batch)
         if self._db.outages != outages:
             # A claim that the connection lost may have committed: items leased to us that
             # no worker here holds would wait for our lease forever; they go back to pending.
@@ -311,6 +326,8 @@ class Runner:
                 if self._stopping.is_set():
                     continue  # left running; released to pending when the run ends
                 result = await self.sender.process(item)
+                self._unfinished -= 1
+                self._room.set()
                 if result is not None:
                     results.send_nowait(result)  # unbounded: never drops a finished result
 

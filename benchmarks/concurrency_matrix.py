@@ -88,6 +88,7 @@ class Shape:
     first_limit_s: float = 300.0  # the longest any run may take before a reference time exists
     refused_target: bool = False  # < 1% of auto's requests refused
     no_failed_target: bool = False  # no failed item under auto
+    flags: str = ""  # more of the server's own flags (llama-server's --metrics, say)
 
 
 # What the matrix adds to the shape server's presets (shapes 1-8, in its order).
@@ -198,7 +199,7 @@ def server_command(shape: Shape, port: int) -> list[str]:
         # 8 slots of 512 tokens each (the tiny model's training context). One thread: with
         # its default (every core) its threads wait on each other at every step, and on 2
         # cores shared with the client a step then takes 100x longer (25 s for 48 tokens).
-        flags = f"--host 127.0.0.1 --port {port} -np 8 -c 4096 -t 1"
+        flags = f"--host 127.0.0.1 --port {port} -np 8 -c 4096 -t 1 {shape.flags}"
         return [str(llama_server_binary()), "-m", model, *flags.split()]
     flags = f"--host 127.0.0.1 --port {port} --n_ctx 512"
     return [sys.executable, "-m", "llama_cpp.server", "--model", model, *flags.split()]

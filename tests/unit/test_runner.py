@@ -296,6 +296,40 @@ async def test_claims_and_commits_whose_answers_were_lost_are_neither_lost_nor_d
     assert [e["event"] for e in said].count("ledger_back") == 2
 
 
+class Gate(httpx.AsyncBaseTransport):
+    """Holds every request until `open` is set; then the simulator answers."""
+
+    def __init__(self) -> None:
+        self.open = anyio.Event()
+        self.sim = SimTransport(SimModel())
+        self.held = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            self.held += 1
+            await self.open.wait()
+        return await self.sim.handle_async_request(request)
+
+
+@pytest.mark.anyio
+async def test_a_worker_leases_a_few_limits_of_items_not_its_whole_reach(tmp_path: Path) -> None:
+    """--concurrency auto may reach 256, but a worker sending 2 requests leases a few dozen
+    items, not hundreds: what it cannot send soon stays claimable by other workers."""
+    gate = Gate()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: run(tmp_path, 500, transport=gate, concurrency="auto"))
+        with anyio.fail_after(10):
+            while gate.held < 2:
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.2)  # the feeder claims what it wants meanwhile
+        watcher = Ledger(Home.at(tmp_path, None).ledger_url)
+        held = watcher.counts("j").get("running", 0)
+        gate.open.set()
+    assert 2 <= held <= 24, held
+    assert watcher.counts("j").get("done") == 500
+    watcher.close()
+
+
 def test_log_times_are_utc_to_the_millisecond_and_follow_the_clock() -> None:
     before = datetime.now(UTC)
     stamp = progress._now_iso()
