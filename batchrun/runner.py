@@ -268,12 +268,12 @@ class Runner:
                         await send.send(item)
 
     async def _claim_size(self) -> int:
-        """Wait until fewer than two limits' worth of items are unanswered here, then claim
-        up to three: a free slot finds an item waiting, and at the end of a job no worker
-        sits on a backlog that another could send (with several workers, or after a stop)."""
+        """Wait until at most two limits' worth of items are unanswered here, then claim up
+        to four: a free slot finds an item waiting, and at the end of a job no worker sits on
+        a backlog that another could send (with several workers, or after a stop)."""
         while True:
-            most = min(MAX_CLAIM * 3 // 2, max(24, 3 * self.throttle.limit))
-            if self._unfinished <= most * 2 // 3:
+            most = min(2 * MAX_CLAIM, max(32, 4 * self.throttle.limit))
+            if self._unfinished <= most // 2:
                 return min(MAX_CLAIM, most - self._unfinished)
             self._room = anyio.Event()
             await self._room.wait()
