@@ -5,34 +5,21 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
 
 from batchrun.sim import prompt_tag
+from tests.audit import Outside
 from tests.integration.helpers import CLI, write_prompts
 from tests.postgres import Cluster, fresh_database, throwaway_cluster
 
 pytestmark = pytest.mark.integration
 
 SLOW = ("--ttft-ms", "20", "--tpot-ms", "2")  # ~100 ms a request: long enough to interrupt
-
-# Installed from outside, as an operator would: one row per result committed for an item.
-AUDIT = """
-CREATE TABLE audit (job text, line integer);
-CREATE FUNCTION audit_result() RETURNS trigger AS $$
-BEGIN
-  IF OLD.status = 'running' AND NEW.status IN ('done', 'failed', 'invalid') THEN
-    INSERT INTO audit VALUES (NEW.job, NEW.line);
-  END IF;
-  RETURN NEW;
-END $$ LANGUAGE plpgsql;
-CREATE TRIGGER audit_results AFTER UPDATE ON items
-  FOR EACH ROW EXECUTE FUNCTION audit_result();
-"""
 
 
 @pytest.fixture
@@ -41,20 +28,8 @@ def pg_ledger(postgres_server: str) -> Iterator[str]:
         yield url
 
 
-def plain(url: str) -> str:
-    return url.replace("postgresql+psycopg://", "postgresql://")
-
-
 def counts(url: str, job: str) -> dict[str, int]:
-    """Items by status, read from outside; {} while the ledger has no tables yet."""
-    with psycopg.connect(plain(url)) as conn:
-        try:
-            rows = conn.execute(
-                "SELECT status, count(*) FROM items WHERE job = %s GROUP BY status", (job,)
-            ).fetchall()
-        except psycopg.errors.UndefinedTable:
-            return {}
-    return {status: n for status, n in rows}
+    return Outside(url).counts(job)
 
 
 def test_kill_9_midway_then_resume_on_postgresql_commits_each_result_once(
@@ -66,8 +41,7 @@ def test_kill_9_midway_then_resume_on_postgresql_commits_each_result_once(
     ledger = ("--ledger", pg_ledger)
     loaded = cli.run(*ledger, "submit", str(inp), "--no-run", "--quiet")
     assert loaded.returncode == 0, loaded.stderr
-    with psycopg.connect(plain(pg_ledger), autocommit=True) as conn:
-        conn.execute(AUDIT)
+    Outside(pg_ledger).install_audit()
 
     proc = cli.start(*ledger, "resume", "big", "--base-url", url, "--concurrency", "8", "--quiet")
     deadline = time.monotonic() + 60
@@ -83,10 +57,7 @@ def test_kill_9_midway_then_resume_on_postgresql_commits_each_result_once(
     resumed = cli.run(*ledger, "resume", "big", "--base-url", url, "--quiet")
     assert resumed.returncode == 0, resumed.stderr
     assert counts(pg_ledger, "big") == {"done": 300}
-    with psycopg.connect(plain(pg_ledger)) as conn:
-        per_line = conn.execute("SELECT line, count(*) FROM audit GROUP BY line").fetchall()
-    assert sorted(line for line, _n in per_line) == list(range(1, 301))
-    assert all(n == 1 for _line, n in per_line)  # no result committed twice
+    assert Outside(pg_ledger).committed_once(300)  # each once, none twice
     output = cli.output("big")
     assert [o["id"] for o in output] == [f"item-{i}" for i in range(300)]
     for record, prompt in zip(output, prompts, strict=True):
@@ -103,8 +74,7 @@ def test_three_workers_on_postgresql_one_killed_finish_every_item_once(
     write_prompts(inp, 400)
     ledger = ("--ledger", pg_ledger)
     assert cli.run(*ledger, "submit", str(inp), "--no-run", "--quiet").returncode == 0
-    with psycopg.connect(plain(pg_ledger), autocommit=True) as conn:
-        conn.execute(AUDIT)
+    Outside(pg_ledger).install_audit()
     run = (*ledger, "resume", "many", "--base-url", url, "--concurrency", "4", "--quiet")
     workers = [cli.start(*run) for _ in range(3)]
     deadline = time.monotonic() + 60
@@ -117,11 +87,9 @@ def test_three_workers_on_postgresql_one_killed_finish_every_item_once(
     said = [w.stderr.read() if w.stderr else "" for w in workers]
     assert codes[1] == -signal.SIGKILL and codes[0] == codes[2] == 0, (codes, said)
     assert counts(pg_ledger, "many") == {"done": 400}
-    with psycopg.connect(plain(pg_ledger)) as conn:
-        per_line = dict(conn.execute("SELECT line, count(*) FROM audit GROUP BY line").fetchall())
-        took_part = conn.execute("SELECT count(*) FROM workers").fetchone()
-    assert sorted(per_line) == list(range(1, 401)) and set(per_line.values()) == {1}
-    assert took_part is not None and took_part[0] == 3
+    outside = Outside(pg_ledger)
+    assert outside.committed_once(400)
+    assert outside.query("SELECT count(*) FROM workers") == [(3,)]
     assert any(" workers" in text for text in said), said  # the summary says how many
     assert [o["id"] for o in cli.output("many")] == [f"item-{i}" for i in range(400)]
 
@@ -140,35 +108,37 @@ def events(cli: CLI, job: str) -> list[str]:
     return [json.loads(line)["event"] for line in path.read_text().splitlines() if line]
 
 
-def audited_once(url: str, lines: int) -> bool:
-    with psycopg.connect(plain(url)) as conn:
-        per_line = dict(conn.execute("SELECT line, count(*) FROM audit GROUP BY line").fetchall())
-    return sorted(per_line) == list(range(1, lines + 1)) and set(per_line.values()) == {1}
+def night_under_way(
+    cli: CLI, cluster: Cluster, url: str, tmp_path: Path, *flags: str
+) -> tuple[subprocess.Popen[str], tuple[str, ...]]:
+    """A 300-item job on `cluster`, audited, run by one worker until 60 items are done: the
+    worker, and the command that runs it."""
+    inp = tmp_path / "night.jsonl"
+    write_prompts(inp, 300)
+    ledger = ("--ledger", cluster.url)
+    assert cli.run(*ledger, "submit", str(inp), "--no-run", "--quiet").returncode == 0
+    Outside(cluster.url).install_audit()
+    run = (*ledger, "resume", "night", "--base-url", url, "--concurrency", "8")
+    proc = cli.start(*run, *flags)
+    deadline = time.monotonic() + 60
+    while counts(cluster.url, "night").get("done", 0) < 60:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    return proc, run
 
 
 def test_a_postgresql_restart_mid_run_is_waited_out(
     cli: CLI, sim_server: Callable[..., str], own_cluster: Cluster, tmp_path: Path
 ) -> None:
     url = sim_server(*SLOW)
-    inp = tmp_path / "night.jsonl"
-    write_prompts(inp, 300)
-    ledger = ("--ledger", own_cluster.url)
-    assert cli.run(*ledger, "submit", str(inp), "--no-run", "--quiet").returncode == 0
-    with psycopg.connect(plain(own_cluster.url), autocommit=True) as conn:
-        conn.execute(AUDIT)
-    run = (*ledger, "resume", "night", "--base-url", url, "--concurrency", "8")
-    proc = cli.start(*run, "--outage-timeout", "60", "--quiet")
-    deadline = time.monotonic() + 60
-    while counts(own_cluster.url, "night").get("done", 0) < 60:
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    proc, _run = night_under_way(cli, own_cluster, url, tmp_path, "--outage-timeout", "60", "-q")
     own_cluster.stop("fast")  # every session ended, as an operator's restart does
     time.sleep(3)  # requests finish meanwhile; their results wait in memory
     assert proc.poll() is None  # still there, waiting
     own_cluster.start()
     assert proc.wait(timeout=120) == 0, proc.stderr.read() if proc.stderr else ""
     assert counts(own_cluster.url, "night") == {"done": 300}
-    assert audited_once(own_cluster.url, 300)
+    assert Outside(own_cluster.url).committed_once(300)
     said = events(cli, "night")
     assert "ledger_unreachable" in said and "ledger_back" in said
     assert [o["id"] for o in cli.output("night")] == [f"item-{i}" for i in range(300)]
@@ -178,18 +148,7 @@ def test_a_database_away_past_the_outage_timeout_stops_with_exit_3_then_resumes(
     cli: CLI, sim_server: Callable[..., str], own_cluster: Cluster, tmp_path: Path
 ) -> None:
     url = sim_server(*SLOW)
-    inp = tmp_path / "night.jsonl"
-    write_prompts(inp, 300)
-    ledger = ("--ledger", own_cluster.url)
-    assert cli.run(*ledger, "submit", str(inp), "--no-run", "--quiet").returncode == 0
-    with psycopg.connect(plain(own_cluster.url), autocommit=True) as conn:
-        conn.execute(AUDIT)
-    run = (*ledger, "resume", "night", "--base-url", url, "--concurrency", "8")
-    proc = cli.start(*run, "--outage-timeout", "2")
-    deadline = time.monotonic() + 60
-    while counts(own_cluster.url, "night").get("done", 0) < 60:
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    proc, run = night_under_way(cli, own_cluster, url, tmp_path, "--outage-timeout", "2")
     own_cluster.stop("immediate")  # a crash
     code = proc.wait(timeout=60)
     said = proc.stderr.read() if proc.stderr else ""
@@ -199,4 +158,4 @@ def test_a_database_away_past_the_outage_timeout_stops_with_exit_3_then_resumes(
     again = cli.run(*run, "--quiet")  # what it had not committed is sent again
     assert again.returncode == 0, again.stderr
     assert counts(own_cluster.url, "night") == {"done": 300}
-    assert audited_once(own_cluster.url, 300)
+    assert Outside(own_cluster.url).committed_once(300)

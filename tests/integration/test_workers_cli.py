@@ -5,25 +5,18 @@ for them; an audit trigger installed from outside counts every result committed.
 from __future__ import annotations
 
 import signal
-import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.audit import Outside
 from tests.integration.helpers import CLI, write_prompts
 
 pytestmark = pytest.mark.integration
 
 SLOW = ("--ttft-ms", "20", "--tpot-ms", "2")  # ~100 ms a request
-
-AUDIT = """
-CREATE TABLE audit (job TEXT, line INTEGER);
-CREATE TRIGGER audit_results AFTER UPDATE ON items
-WHEN OLD.status = 'running' AND NEW.status IN ('done', 'failed', 'invalid')
-BEGIN INSERT INTO audit VALUES (NEW.job, NEW.line); END;
-"""
 
 
 def test_a_frozen_worker_loses_its_items_and_commits_nothing_for_them(
@@ -34,8 +27,8 @@ def test_a_frozen_worker_loses_its_items_and_commits_nothing_for_them(
     write_prompts(inp, 200)
     assert cli.run("submit", str(inp), "--no-run", "--quiet").returncode == 0
     db = cli.home / "jobs" / "ledger.db"
-    with sqlite3.connect(db) as conn:
-        conn.executescript(AUDIT)
+    outside = Outside(f"sqlite:///{db}")
+    outside.install_audit()
     run = ("resume", "frozen", "--base-url", url, "--concurrency", "4", "--lease", "2", "-q")
     frozen = cli.start(*run)
     cli.wait_for("frozen", 10, frozen)
@@ -50,10 +43,7 @@ def test_a_frozen_worker_loses_its_items_and_commits_nothing_for_them(
         frozen.send_signal(signal.SIGCONT)
     assert frozen.wait(timeout=60) == 0  # it wakes, finds the job done, commits nothing more
     time.sleep(0.2)
-    with sqlite3.connect(db) as conn:
-        per_line = dict(conn.execute("SELECT line, count(*) FROM audit GROUP BY line").fetchall())
-    assert sorted(per_line) == list(range(1, 201))
-    assert set(per_line.values()) == {1}  # no result committed twice
+    assert outside.committed_once(200)  # every item, and no result committed twice
 
 
 def test_a_worker_with_other_answer_options_is_refused_while_the_job_runs(
