@@ -148,6 +148,13 @@ RUN_OPTIONS: list[Callable[[F], F]] = [
         "max_tokens doubled up to --max-tokens-cap [fail].",
     ),
     click.option("--max-tokens-cap", type=click.IntRange(min=1), help="See --on-truncate [4096]."),
+    click.option(
+        "--reuse/--no-reuse",
+        default=None,
+        help="Copy an earlier job's answer to the same request under the same model, sampling "
+        "and schema, and answer repeated lines once, instead of sending them [on].",
+    ),
+    click.option("--reuse-max-age", help="Reuse only answers this recent: 7d, 12h, 30m [any]."),
     click.option("--redact", is_flag=True, default=None, help="Keep input text out of the log."),
     click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
 ]

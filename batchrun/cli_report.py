@@ -46,6 +46,9 @@ def summary_line(report: JobReport) -> str:
             f" | {stats.requests} requests, {stats.retries} retries, {secs:.1f}s, "
             f"{stats.recorded / secs:.1f} items/s, {stats.output_tokens / secs:,.0f} out tok/s"
         )
+    if stats.reused or stats.duplicates:
+        text += f" | {stats.reused} reused from earlier jobs"
+        text += f", {stats.duplicates} repeated lines answered once" if stats.duplicates else ""
     if report.workers > 1:
         text += f" | {report.workers} workers"
     if stats.repairs:

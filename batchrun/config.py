@@ -166,6 +166,8 @@ class RunSpec:
     max_line_bytes: int = 1_000_000
     max_input_chars: int | None = None
     max_input_tokens: int | None = None
+    reuse: bool = True  # copy earlier jobs' answers to the same requests instead of sending
+    reuse_max_age: str | None = None  # only answers this recent ("7d"); None: any age
     sim_options: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -240,6 +242,8 @@ class RunOptions(TypedDict, total=False):
     max_line_bytes: int | None
     max_input_chars: int | None
     max_input_tokens: int | None
+    reuse: bool | None
+    reuse_max_age: str | None
     sim_options: dict[str, Any]
 
 

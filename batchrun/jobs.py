@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 
+from batchrun import reuse
 from batchrun.backends import Backend, Transport
 from batchrun.backends.build import build_backend, metrics_reader, sim_config, sim_transport
 from batchrun.config import RunSpec, preset_for, resolve
@@ -151,6 +152,8 @@ def resolve_for_job(
         spec = replace(spec, schema=str(Path(spec.schema).resolve()))
     if spec.backend == "sim":
         sim_config(spec)
+    if spec.reuse_max_age:
+        reuse.seconds(spec.reuse_max_age, key="reuse_max_age")
     return spec
 
 
@@ -169,6 +172,19 @@ async def pick_model(backend: Backend, spec: RunSpec, policy: RetryPolicy) -> Ru
     if not models:
         raise FatalError(f"{spec.base_url}/models lists no model; give --model")
     return replace(spec, model=models[0])
+
+
+def _reuse(ledger: Ledger, name: str, spec: RunSpec, log: JobLog) -> tuple[int, int]:
+    """Before sending: repeated lines wait for their first line's answer, and earlier jobs'
+    answers to the same requests are copied (both off with --no-reuse). (waiting, reused)."""
+    if not spec.reuse:
+        return 0, 0
+    age = spec.reuse_max_age
+    since = time.time() - reuse.seconds(age, key="reuse_max_age") if age else None
+    found = ledger.prepare_reuse(name, reuse.answer_spec(spec), reuse_since=since)
+    if any(found):
+        log.event("reuse", duplicates=found[0], reused=found[1], max_age=age)
+    return found
 
 
 async def run_job(
@@ -201,6 +217,7 @@ async def run_job(
         except FatalError as exc:
             log.event("abort", error=str(exc), kind=type(exc).__name__)
             return RunStats(aborted=str(exc))
+        waiting, reused = _reuse(ledger, name, spec, log)
         counts = ledger.counts(name)
         done_before = sum(counts[s] for s in FINAL_STATUSES)
         progress = Progress(
@@ -227,6 +244,7 @@ async def run_job(
                 if handle_signals:
                     tg.start_soon(_stop_on_signals, runner)
                 stats = await runner.run()
+                stats.reused, stats.duplicates = reused, waiting
                 tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             raise _single_error(group) from None

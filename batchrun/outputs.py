@@ -39,6 +39,7 @@ class Result:
     repairs: int = 0  # follow-up requests that showed an invalid answer its error
     repair_prompt_tokens: int = 0
     repair_completion_tokens: int = 0
+    reused_from: dict[str, Any] | None = None  # {"job", "line"} of the answer it reused
 
     def to_json(self) -> dict[str, Any]:
         """The results file's native line."""
@@ -55,7 +56,7 @@ class Result:
                 "prompt_tokens": self.repair_prompt_tokens,
                 "completion_tokens": self.repair_completion_tokens,
             }
-        return {
+        record = {
             "id": self.id,
             "line": self.line,
             "status": self.status,
@@ -70,6 +71,9 @@ class Result:
             "error": self.error,
             "meta": self.meta,
         }
+        if self.reused_from:  # copied from an earlier job: its usage was paid then
+            record["reused_from"] = self.reused_from
+        return record
 
 
 def result_of(item: StoredItem) -> Result:
@@ -90,6 +94,9 @@ def result_of(item: StoredItem) -> Result:
         repairs=item.repairs,
         repair_prompt_tokens=item.repair_prompt_tokens,
         repair_completion_tokens=item.repair_completion_tokens,
+        reused_from=(
+            {"job": item.reused_job, "line": item.reused_line} if item.reused_job else None
+        ),
     )
 
 

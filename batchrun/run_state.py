@@ -29,6 +29,8 @@ class RunStats:
     aborted: str | None = None  # the fatal error that stopped the job
     interrupted: bool = False
     stopped_by: int | None = None  # the signal that stopped it (SIGINT, SIGTERM), if one did
+    reused: int = 0  # items answered from earlier jobs before sending
+    duplicates: int = 0  # lines that waited for an identical line's answer
 
 
 BUSY_PATIENCE_S = 600.0  # how long to wait for another process's ledger lock (a long ingest)

@@ -34,6 +34,7 @@ from batchrun.ledger import ClaimedItem, ItemResult, Ledger
 from batchrun.ledger_calls import LedgerCalls
 from batchrun.progress import JobLog, Progress
 from batchrun.retrying import OutageWatch, RetryPolicy
+from batchrun.reuse import answer_spec
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.sender import Sender
 from batchrun.server_metrics import ServerLoad
@@ -67,6 +68,7 @@ class Runner:
         self.settings = settings or RunnerSettings()
         self.owner = uuid.uuid4().hex
         self.stats = RunStats()
+        self.answer_spec = answer_spec(spec)  # recorded with each result, for later reuse
         retries, pacing = spec.retries, spec.pacing
         self.outage = OutageWatch(retries.outage_timeout, clock=self.settings.clock)
         self.policy = RetryPolicy(retries.max_attempts, self.outage, sleep=self.settings.sleep)
@@ -378,7 +380,9 @@ class Runner:
     async def _commit(self, group: list[ItemResult]) -> None:
         if not group:
             return
-        changed = await self._db(self.ledger.record, self.job, self.owner, group)
+        changed = await self._db(
+            self.ledger.record, self.job, self.owner, group, answer_spec=self.answer_spec
+        )
         self._held.difference_update(result.line for result in group)
         self.stats.recorded += changed
         for result in group:

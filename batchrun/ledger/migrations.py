@@ -24,7 +24,15 @@ from sqlalchemy import Connection, Engine, inspect, select, text
 from batchrun.errors import LedgerError
 from batchrun.ledger.dialect import WRITE_OPTION, dialect_of
 from batchrun.ledger.engine import make_engine, storage_errors
-from batchrun.ledger.schema import items, items_id_unique, jobs, schema_migrations, workers
+from batchrun.ledger.schema import (
+    items,
+    items_dups,
+    items_id_unique,
+    items_reuse,
+    jobs,
+    schema_migrations,
+    workers,
+)
 
 REPAIR_COLUMNS = ("repairs", "repair_prompt_tokens", "repair_completion_tokens")
 
@@ -52,11 +60,29 @@ def _v4_workers(conn: Connection) -> None:
     workers.create(conn, checkfirst=True)
 
 
+REUSE_COLUMNS = {
+    "answer_spec": "VARCHAR(64)",
+    "reused_job": "VARCHAR(200)",
+    "reused_line": "INTEGER",
+    "dup_of": "INTEGER",
+}
+
+
+def _v5_reuse(conn: Connection) -> None:
+    have = {c["name"] for c in inspect(conn).get_columns("items")}
+    for column, kind in REUSE_COLUMNS.items():
+        if column not in have:
+            conn.execute(text(f"ALTER TABLE items ADD COLUMN {column} {kind}"))
+    items_reuse.create(conn, checkfirst=True)
+    items_dups.create(conn, checkfirst=True)
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "initial jobs and items", _v1_initial),
     (2, "jobs.limit_history for --concurrency auto", _v2_limit_history),
     (3, "items.repairs and repair token counts for --repair-attempts", _v3_repair_costs),
     (4, "workers: several processes on one job", _v4_workers),
+    (5, "items: answer_spec, reused_job/line, dup_of for reuse and dedup", _v5_reuse),
 ]
 
 

@@ -96,6 +96,8 @@ class StoredItem:
     repair_prompt_tokens: int
     repair_completion_tokens: int
     updated_at: float
+    reused_job: str | None = None  # the earlier job whose answer this line reused
+    reused_line: int | None = None
 
 
 @dataclass(frozen=True)

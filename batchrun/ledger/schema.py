@@ -92,6 +92,13 @@ items = Table(
     Column("repair_completion_tokens", Integer, nullable=False, server_default="0"),
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
+    # Reuse and dedup (migration 5): the answer-shaping options a result was made under
+    # (a digest; with `digest` it is what a later job's item must match to reuse it), where a
+    # reused result came from, and the line whose answer a duplicate line waits for.
+    Column("answer_spec", String(64)),
+    Column("reused_job", String(200)),
+    Column("reused_line", Integer),
+    Column("dup_of", Integer),
     # Rows live in (job, line) order in the primary-key B-tree itself: one B-tree fewer to
     # maintain on ingest, and claims walk it as a range scan.
     sqlite_with_rowid=False,
@@ -106,4 +113,21 @@ items_id_unique = Index(
     unique=True,
     sqlite_where=text("status != 'rejected'"),
     postgresql_where=text("status != 'rejected'"),
+)
+
+# Reuse lookups: an earlier done result with the same request and answer options.
+items_reuse = Index(
+    "ix_items_reuse",
+    items.c.digest,
+    items.c.answer_spec,
+    sqlite_where=text("status = 'done' AND answer_spec IS NOT NULL"),
+    postgresql_where=text("status = 'done' AND answer_spec IS NOT NULL"),
+)
+# The duplicates waiting for a line's answer, found when it is recorded.
+items_dups = Index(
+    "ix_items_dups",
+    items.c.job,
+    items.c.dup_of,
+    sqlite_where=text("dup_of IS NOT NULL"),
+    postgresql_where=text("dup_of IS NOT NULL"),
 )

@@ -11,12 +11,11 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import orjson
 from sqlalchemy import Connection, Engine, and_, bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
 
-from batchrun.errors import EmptyInput, InputError, JobExists, OptionError
-from batchrun.ledger import workers
+from batchrun.errors import EmptyInput, InputError, JobExists
+from batchrun.ledger import reuse, workers
 from batchrun.ledger.dialect import WRITE_OPTION, dialect_of
 from batchrun.ledger.engine import storage_errors
 from batchrun.ledger.ingest import Loader
@@ -152,7 +151,7 @@ class Ledger:
         with self._write("joining the job") as conn:
             if spec is not None and same:
                 workers.lock_job(conn, name)
-                _check_same(conn, name, spec, same, ttl)
+                workers.check_same(conn, name, spec, same, ttl=ttl)
             back = workers.join(conn, name, worker, ttl=ttl)  # the job's row is locked first
             if spec is not None:
                 stored = {"spec": as_json(spec), "updated_at": time.time()}
@@ -231,6 +230,7 @@ class Ledger:
         claimable = self.dialect.claimable(
             select(items.c.line)
             .where(items.c.job == name, items.c.line > after_line, items.c.status == "pending")
+            .where(items.c.dup_of.is_(None))  # a duplicate waits for its first line's answer
             .order_by(items.c.line)
             .limit(limit)
         )
@@ -262,11 +262,13 @@ class Ledger:
             rows = conn.execute(stmt, {"expires": now + lease_ttl, "now": now}).all()
         return sorted((claimed_of(row) for row in rows), key=lambda c: c.line)
 
-    def record(self, name: str, owner: str, results: list[ItemResult]) -> int:
-        """Commit a group of results in one transaction. Returns how many rows changed.
-
-        The guard (still running, still ours) makes a late or duplicate result a no-op.
-        """
+    def record(
+        self, name: str, owner: str, results: list[ItemResult], *, answer_spec: str | None = None
+    ) -> int:
+        """Commit a group of results in one transaction, made under `answer_spec` (see
+        reuse.py); lines waiting for the same request get them too. Returns how many of the
+        group's rows changed. The guard (still running, still ours) makes a late or
+        duplicate result a no-op."""
         if not results:
             return 0
         now = time.time()
@@ -286,6 +288,7 @@ class Ledger:
                 owner=None,
                 lease_expires=None,
                 updated_at=now,
+                answer_spec=answer_spec,
                 latency_ms=bindparam("b_latency_ms"),
                 ttft_ms=bindparam("b_ttft_ms"),
                 prompt_tokens=bindparam("b_prompt_tokens"),
@@ -303,7 +306,23 @@ class Ledger:
         )
         params = [{f"b_{k}": getattr(r, k) for k in ItemResult.__slots__} for r in results]
         with self._write("recording results") as conn:
-            return int(conn.execute(stmt, params).rowcount)
+            changed = int(conn.execute(stmt, params).rowcount)
+            reuse.fan_out(conn, name, results, now)
+            return changed
+
+    def prepare_reuse(
+        self, name: str, answer_spec: str, *, reuse_since: float | None, earlier: bool = True
+    ) -> tuple[int, int]:
+        """Before a run: lines that repeat an earlier line's request wait for its answer, and
+        (with `earlier`) pending items that an earlier job answered under the same options
+        (made at `reuse_since` or later) take that answer. (waiting, reused)."""
+        with self._write("looking for answers to reuse") as conn:
+            workers.lock_job(conn, name)
+            waiting = reuse.mark_duplicates(conn, name)
+            if not earlier:
+                return waiting, 0
+            now = time.time()
+            return waiting, reuse.reuse_earlier(conn, name, answer_spec, since=reuse_since, now=now)
 
     def requeue(self, name: str, statuses: tuple[str, ...] = ("failed", "invalid")) -> int:
         """Put finished-but-unsuccessful items back to pending (the `retry` command)."""
@@ -369,27 +388,3 @@ class Ledger:
         """Token totals, latency percentiles and the commonest errors, for `status`."""
         with self._read("reading stats") as conn:
             return item_stats(conn, name)
-
-
-def _check_same(
-    conn: Connection, name: str, spec: dict[str, Any], same: tuple[str, ...], ttl: float
-) -> None:
-    others = workers.live_count(conn, name, ttl=ttl)
-    row = conn.execute(select(jobs.c.spec).where(jobs.c.name == name)).first()
-    if not others or row is None:
-        return
-    theirs = orjson.loads(row.spec)
-    differ = [key for key in same if theirs.get(key) != spec.get(key)]
-    if differ:
-        said = "; ".join(
-            f"{{{key}}} {_shown(spec.get(key))} here, {_shown(theirs.get(key))} there"
-            for key in differ
-        )
-        raise OptionError(
-            f"job {OptionError.quoted(name)} is being run by {others} other worker(s) that ask "
-            f"for other answers: {said}. Join with the same options, or after they finish."
-        )
-
-
-def _shown(value: object) -> str:
-    return "(not set)" if value is None else OptionError.quoted(value)

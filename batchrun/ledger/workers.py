@@ -17,11 +17,14 @@ import socket
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
+import orjson
 from sqlalchemy import Connection, and_, exists, func, or_, select, update
 
+from batchrun.errors import OptionError
 from batchrun.ledger.dialect import dialect_of
-from batchrun.ledger.schema import items, workers
+from batchrun.ledger.schema import items, jobs, workers
 
 
 @dataclass(frozen=True)
@@ -196,3 +199,29 @@ def live_count(conn: Connection, name: str, *, ttl: float) -> int:
     fresh = workers.c.heartbeat > db_now(conn) - ttl
     query = select(func.count()).where(workers.c.job == name, workers.c.stopped_at.is_(None))
     return int(conn.execute(query.where(fresh)).scalar() or 0)
+
+
+def check_same(
+    conn: Connection, name: str, spec: dict[str, Any], same: tuple[str, ...], *, ttl: float
+) -> None:
+    """Joining `name` with `spec` while other workers run it: the keys in `same` (the options
+    that change an answer) must agree with the job's, or OptionError says which differ."""
+    others = live_count(conn, name, ttl=ttl)
+    row = conn.execute(select(jobs.c.spec).where(jobs.c.name == name)).first()
+    if not others or row is None:
+        return
+    theirs = orjson.loads(row.spec)
+    differ = [key for key in same if theirs.get(key) != spec.get(key)]
+    if differ:
+        said = "; ".join(
+            f"{{{key}}} {_shown(spec.get(key))} here, {_shown(theirs.get(key))} there"
+            for key in differ
+        )
+        raise OptionError(
+            f"job {OptionError.quoted(name)} is being run by {others} other worker(s) that ask "
+            f"for other answers: {said}. Join with the same options, or after they finish."
+        )
+
+
+def _shown(value: object) -> str:
+    return "(not set)" if value is None else OptionError.quoted(value)

@@ -469,10 +469,19 @@ def test_migrations_bring_an_older_ledger_up_to_date(tmp_path: Path) -> None:
     )
     conn.close()
     engine = make_engine(f"sqlite:///{db}")
-    assert migrate(engine) == 3  # v2, v3 and v4 ran
+    assert migrate(engine) == 4  # v2, v3, v4 and v5 ran
     assert "limit_history" in {c["name"] for c in inspect(engine).get_columns("jobs")}
-    assert {"repairs", "repair_prompt_tokens", "repair_completion_tokens"} <= {
-        c["name"] for c in inspect(engine).get_columns("items")
+    assert {
+        "repairs",
+        "repair_prompt_tokens",
+        "repair_completion_tokens",
+        "answer_spec",
+        "reused_job",
+        "reused_line",
+        "dup_of",
+    } <= {c["name"] for c in inspect(engine).get_columns("items")}
+    assert {"ix_items_reuse", "ix_items_dups"} <= {
+        i["name"] for i in inspect(engine).get_indexes("items")
     }
     assert migrate(engine) == 0
     ledger = Ledger(f"sqlite:///{db}")

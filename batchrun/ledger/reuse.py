@@ -1,0 +1,134 @@
+"""Answers reused instead of sent: from earlier jobs, and within a job for duplicate lines.
+
+The key is the request as stored (`digest`: the body with the submit-time defaults), the
+endpoint kind, and `answer_spec`, a digest of the options that change an answer (model,
+sampling, schema...) under which a result was made. The runner computes `answer_spec` for its
+run (`batchrun/reuse.py`); every result it records carries it.
+
+- Reuse: a pending item whose key matches a `done` result of another job (made recently
+  enough) gets that result copied, with `reused_job`/`reused_line` saying where from. Nothing
+  is sent. Only answers that a request made are sources (a copy carries no `answer_spec`), so
+  an age limit is the answer's own age, however many nights reused it.
+- Dedup: pending lines of one job with the same request wait for the first of them
+  (`dup_of`); claims pass them over, and the first one's result is copied to them when it is
+  recorded (`fan_out`, in the same transaction).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Connection, and_, bindparam, select, update
+from sqlalchemy.sql.elements import ColumnElement
+
+from batchrun.ledger.records import ItemResult
+from batchrun.ledger.schema import items
+
+CHUNK = 1000  # lines looked up per query
+# What a reused or fanned-out line takes from the answer it copies.
+COPIED = (
+    "status",
+    "output",
+    "parsed",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "latency_ms",
+    "ttft_ms",
+    "error",
+)
+
+
+def mark_duplicates(conn: Connection, job: str) -> int:
+    """Pending lines whose request an earlier pending line of the job also sends wait for
+    it; how many lines now wait."""
+    query = (
+        select(items.c.line, items.c.endpoint, items.c.digest)
+        .where(items.c.job == job, items.c.status == "pending", items.c.dup_of.is_(None))
+        .order_by(items.c.line)
+    )
+    first: dict[tuple[str, str], int] = {}
+    waits: list[dict[str, Any]] = []
+    for line, endpoint, digest in conn.execute(query):
+        leader = first.setdefault((endpoint, digest), line)
+        if leader != line:
+            waits.append({"l": line, "leader": leader})
+    if waits:
+        conn.execute(
+            update(items)
+            .where(items.c.job == job, items.c.line == bindparam("l"))
+            .values(dup_of=bindparam("leader")),
+            waits,
+        )
+    return len(waits)
+
+
+def reuse_earlier(
+    conn: Connection, job: str, answer_spec: str, *, since: float | None, now: float
+) -> int:
+    """Copy earlier jobs' done results onto this job's pending items with the same request
+    and answer options (made at `since` or later); how many items were answered."""
+    src = items.alias("src")
+    match: ColumnElement[bool] = and_(
+        src.c.digest == items.c.digest,
+        src.c.answer_spec == answer_spec,
+        src.c.status == "done",
+        src.c.endpoint == items.c.endpoint,
+        src.c.job != job,
+    )
+    if since is not None:
+        match = and_(match, src.c.updated_at >= since)
+    copy = (
+        update(items)
+        .where(items.c.job == job, items.c.line == bindparam("l"), items.c.status == "pending")
+        .values(
+            reused_job=bindparam("rj"),
+            reused_line=bindparam("rl"),
+            updated_at=now,
+            **{c: bindparam(f"c_{c}") for c in COPIED},
+        )
+    )
+    reused, after = 0, 0
+    while True:
+        lines = select(items.c.line).where(
+            items.c.job == job, items.c.status == "pending", items.c.line > after
+        )
+        chunk = list(conn.execute(lines.order_by(items.c.line).limit(CHUNK)).scalars())
+        if not chunk:
+            return reused
+        after = chunk[-1]
+        found = conn.execute(
+            select(items.c.line, src.c.job, src.c.line, *(src.c[c] for c in COPIED))
+            .join(src, match)
+            .where(items.c.job == job, items.c.line.in_(chunk))
+        ).all()
+        copies: dict[int, dict[str, Any]] = {}
+        for line, from_job, from_line, *values in found:
+            copies.setdefault(
+                line,
+                {"l": line, "rj": from_job, "rl": from_line}
+                | {f"c_{c}": v for c, v in zip(COPIED, values, strict=True)},
+            )
+        if copies:
+            reused += int(conn.execute(copy, list(copies.values())).rowcount)
+
+
+def fan_out(conn: Connection, job: str, recorded: list[ItemResult], now: float) -> int:
+    """The lines waiting for these results get them; how many. Only results this transaction
+    committed count (the line's row says so: its status and this `now`), not a late one that
+    the lease guard turned away."""
+    lead = items.alias("lead")
+    committed = (
+        select(lead.c.line)
+        .where(lead.c.job == job, lead.c.line == bindparam("leader"))
+        .where(lead.c.updated_at == now, lead.c.status == bindparam("c_status"))
+        .exists()
+    )
+    waiting = (
+        update(items)
+        .where(items.c.job == job, items.c.dup_of == bindparam("leader"))
+        .where(items.c.status == "pending", committed)
+        .values(updated_at=now, **{c: bindparam(f"c_{c}") for c in COPIED})
+    )
+    rows = [{"leader": r.line} | {f"c_{c}": getattr(r, c) for c in COPIED} for r in recorded]
+    return int(conn.execute(waiting, rows).rowcount) if rows else 0
