@@ -1,0 +1,227 @@
+"""Reuse across jobs and dedup within one: in the ledger (on SQLite and PostgreSQL), and end to
+end through a run over the simulator, counting what reaches the server."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from batchrun import jobs
+from batchrun.config import resolve
+from batchrun.errors import OptionError
+from batchrun.inputs import InputItem
+from batchrun.jobs import Home
+from batchrun.ledger import ItemResult, Ledger
+from batchrun.run_state import RunnerSettings, RunStats
+from batchrun.sim import SimModel, SimTransport, prompt_tag
+from tests.fakes import FakeTime
+
+SPEC_A, SPEC_B = "a" * 64, "b" * 64
+
+
+@pytest.fixture
+def ledger(ledger_url: str) -> Iterator[Ledger]:
+    opened = Ledger(ledger_url)
+    yield opened
+    opened.close()
+
+
+def load(ledger: Ledger, name: str, requests: list[str]) -> None:
+    """A job whose line n sends `requests[n - 1]` (its digest is the request's)."""
+    lines = [
+        InputItem(
+            line=n,
+            item_id=f"{name}-{n}",
+            endpoint="chat",
+            body=b"{}",
+            digest=hashlib.sha256(text.encode()).hexdigest(),
+            meta=None,
+        )
+        for n, text in enumerate(requests, start=1)
+    ]
+    spec: dict[str, Any] = {}
+    ledger.create_job(
+        name, input_path="in", input_digest=name, spec=spec, lines=lines, skip_invalid=False
+    )
+
+
+def answer_all(ledger: Ledger, name: str, spec: str, *, status: str = "done") -> list[int]:
+    """Send nothing: claim every claimable item and record an answer naming its line."""
+    worker = f"w{time.monotonic_ns()}"
+    ledger.join(name, worker, ttl=60)
+    claimed = ledger.claim(name, worker, 1000, lease_ttl=60)
+    answers = [
+        ItemResult(c.line, status, 1, output=f"{name}:{c.line}", prompt_tokens=3) for c in claimed
+    ]
+    ledger.record(name, worker, answers, answer_spec=spec)
+    ledger.release(name, worker)
+    return [c.line for c in claimed]
+
+
+def outputs(ledger: Ledger, name: str) -> list[tuple[str, str | None, str | None]]:
+    return [(i.status, i.output, i.reused_job) for i in ledger.iter_results(name)]
+
+
+def test_an_earlier_jobs_answer_is_reused_only_under_the_same_options(ledger: Ledger) -> None:
+    load(ledger, "night1", ["x", "y", "z"])
+    answer_all(ledger, "night1", SPEC_A)
+    load(ledger, "night2", ["y", "new", "x"])
+    assert ledger.prepare_reuse("night2", SPEC_B, reuse_since=None) == (0, 0)  # other options
+    assert ledger.prepare_reuse("night2", SPEC_A, reuse_since=None) == (0, 2)
+    assert outputs(ledger, "night2") == [
+        ("done", "night1:2", "night1"),
+        ("pending", None, None),
+        ("done", "night1:1", "night1"),
+    ]
+    reused = next(ledger.iter_results("night2"))
+    assert (reused.reused_line, reused.prompt_tokens, reused.item_id) == (2, 3, "night2-1")
+    assert answer_all(ledger, "night2", SPEC_A) == [2]  # only the new line is sent
+    # a copy is not a source: night 3 reuses night 1's answer for x, night 2's for "new"
+    load(ledger, "night3", ["x", "new"])
+    assert ledger.prepare_reuse("night3", SPEC_A, reuse_since=None) == (0, 2)
+    assert [i.reused_job for i in ledger.iter_results("night3")] == ["night1", "night2"]
+
+
+def test_answers_older_than_the_age_limit_and_failures_are_not_reused(ledger: Ledger) -> None:
+    load(ledger, "old", ["x"])
+    answer_all(ledger, "old", SPEC_A)
+    load(ledger, "bad", ["y"])
+    answer_all(ledger, "bad", SPEC_A, status="failed")
+    load(ledger, "new", ["x", "y"])
+    assert ledger.prepare_reuse("new", SPEC_A, reuse_since=time.time() + 60) == (0, 0)
+    assert ledger.prepare_reuse("new", SPEC_A, reuse_since=time.time() - 60) == (0, 1)
+    assert [s for s, _o, _j in outputs(ledger, "new")] == ["done", "pending"]
+
+
+def test_repeated_lines_are_sent_once_and_each_keeps_its_own_id(ledger: Ledger) -> None:
+    load(ledger, "j", ["x", "y", "x", "x", "z"])
+    assert ledger.prepare_reuse("j", SPEC_A, reuse_since=None, earlier=False) == (2, 0)
+    assert answer_all(ledger, "j", SPEC_A) == [1, 2, 5]  # lines 3 and 4 wait for line 1
+    results = list(ledger.iter_results("j"))
+    assert [(r.item_id, r.status, r.output) for r in results] == [
+        ("j-1", "done", "j:1"),
+        ("j-2", "done", "j:2"),
+        ("j-3", "done", "j:1"),
+        ("j-4", "done", "j:1"),
+        ("j-5", "done", "j:5"),
+    ]
+    assert ledger.counts("j")["done"] == 5
+
+
+def test_a_late_result_turned_away_by_the_lease_answers_no_duplicate(ledger: Ledger) -> None:
+    load(ledger, "j", ["x", "x"])
+    ledger.prepare_reuse("j", SPEC_A, reuse_since=None, earlier=False)
+    ledger.join("j", "gone", ttl=60)
+    ledger.claim("j", "gone", 10, lease_ttl=60)
+    ledger.release("j", "gone")  # its lease is over: line 1 is pending again
+    late = ItemResult(1, "done", 1, output="late")
+    assert ledger.record("j", "gone", [late], answer_spec=SPEC_A) == 0
+    assert ledger.counts("j")["pending"] == 2  # the duplicate still waits
+    answer_all(ledger, "j", SPEC_A)
+    assert [o for _s, o, _j in outputs(ledger, "j")] == ["j:1", "j:1"]
+
+
+# --- end to end: a run over the simulator --------------------------------------------------
+
+
+class Counting(httpx.AsyncBaseTransport):
+    """The simulator, counting the completions asked of it."""
+
+    def __init__(self) -> None:
+        self.sim = SimTransport(SimModel())
+        self.sent = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent += request.method == "POST"
+        return await self.sim.handle_async_request(request)
+
+
+async def night(
+    tmp_path: Path, name: str, prompts: list[str], **options: Any
+) -> tuple[int, RunStats, list[dict[str, Any]]]:
+    """Load and run a job in the same home; (requests sent, stats, results file lines)."""
+    home = Home.at(tmp_path, None)
+    ledger = Ledger(home.ledger_url)
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "prompt": p, "meta": i}) + "\n"
+            for i, p in enumerate(prompts)
+        )
+    )
+    spec = resolve({"backend": "sim", "concurrency": 4, "server_metrics": "off", **options})
+    jobs.create_job(ledger, name, path, spec)
+    counting, fake = Counting(), FakeTime()
+    settings = RunnerSettings(sleep=fake.sleep, clock=fake.clock, drain_timeout=0.0)
+    stats = await jobs.run_job(
+        ledger, home, name, spec, transport=counting, settings=settings, handle_signals=False
+    )
+    jobs.finish(ledger, home, name, spec)
+    lines = (home.root / "outputs" / f"{name}.jsonl").read_text().splitlines()
+    ledger.close()
+    return counting.sent, stats, [json.loads(line) for line in lines]
+
+
+@pytest.mark.anyio
+async def test_a_second_night_sends_only_what_changed(tmp_path: Path) -> None:
+    first = [f"rewrite product {i}" for i in range(20)]
+    sent, _stats, _out = await night(tmp_path, "n1", first, temperature=0.7)
+    assert sent == 20
+    second = [*first[:15], "rewrite product 99", "rewrite product 3", *first[15:]]
+    sent, stats, out = await night(tmp_path, "n2", second, temperature=0.7)
+    assert sent == 1  # only the new line: the repeated "product 3" is yesterday's answer
+    assert (stats.reused, stats.requests) == (21, 1)
+    assert [o["id"] for o in out] == [f"p{i}" for i in range(22)]
+    assert [o["meta"] for o in out] == [{"meta": i} for i in range(22)]  # each its own
+    for record, prompt in zip(out, second, strict=True):
+        assert record["output"].startswith(prompt_tag(prompt))
+    assert out[0]["reused_from"] == {"job": "n1", "line": 1}
+    assert "reused_from" not in out[15]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "change",
+    [{"temperature": 0.2}, {"model": "sim-2"}, {"max_tokens": 9}, {"schema": "other"}],
+    ids=["temperature", "model", "max_tokens", "schema"],
+)
+async def test_anything_that_changes_an_answer_is_sent_again(
+    tmp_path: Path, change: dict[str, Any]
+) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    base: dict[str, Any] = {"temperature": 0.7, "schema": str(schema), "model": "sim-1"}
+    prompts = [f"extract {i}" for i in range(6)]
+    await night(tmp_path, "n1", prompts, **base)
+    if change.get("schema"):  # the same path, other content
+        schema.write_text('{"type": "object", "required": ["name"]}')
+        change = {}
+    sent, stats, _out = await night(tmp_path, "n2", prompts, **{**base, **change})
+    assert sent >= 6 and stats.reused == 0  # (an invalid answer may take a repair request too)
+
+
+@pytest.mark.anyio
+async def test_no_reuse_sends_every_line_even_repeated_ones(tmp_path: Path) -> None:
+    prompts = ["same"] * 4 + ["other"]
+    sent, stats, out = await night(tmp_path, "n1", prompts)
+    assert (sent, stats.duplicates) == (2, 3)  # repeated lines answered once
+    assert len({o["output"] for o in out[:4]}) == 1
+    sent, stats, _out = await night(tmp_path, "n2", prompts, reuse=False)
+    assert (sent, stats.reused, stats.duplicates) == (5, 0, 0)
+
+
+def test_the_age_limit_is_read_with_its_unit() -> None:
+    from batchrun.reuse import seconds
+
+    assert seconds("7d", key="reuse_max_age") == 7 * 86400
+    assert seconds("90", key="reuse_max_age") == 90
+    assert seconds("1.5h", key="reuse_max_age") == 5400
+    with pytest.raises(OptionError, match="reuse_max_age must be a number"):
+        seconds("a week", key="reuse_max_age")
