@@ -105,6 +105,11 @@ def render_detail(d: dict[str, Any]) -> str:
         f"requests   {d['attempts']:,} attempts",
         f"latency    p50 {ms(lat['p50'])}, p95 {ms(lat['p95'])}, p99 {ms(lat['p99'])}",
     ]
+    if d["reused"] or d["repeated"]:
+        lines.append(
+            f"reused     {d['reused']:,} answers from earlier jobs, {d['repeated']:,} repeated "
+            "lines answered once (not sent; their tokens are not counted above)"
+        )
     rep = d["repairs"]
     if rep["requests"]:
         lines.append(

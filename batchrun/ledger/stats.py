@@ -4,21 +4,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, and_, func, select
 
-from batchrun.ledger.schema import items
+from batchrun.ledger.schema import FINAL_STATUSES, items
 
 
 def item_stats(conn: Connection, name: str) -> dict[str, Any]:
     """Token totals, latency percentiles of done items and the commonest errors."""
+    # Tokens this job paid for: a reused answer, or one copied to a repeated line, cost
+    # nothing here (it carries the usage of the request that made it).
+    paid = and_(items.c.reused_job.is_(None), items.c.dup_of.is_(None))
+    copied = and_(items.c.dup_of.is_not(None), items.c.status.in_(FINAL_STATUSES))
     totals = conn.execute(
         select(
-            func.sum(items.c.prompt_tokens),
-            func.sum(items.c.completion_tokens),
+            func.sum(items.c.prompt_tokens).filter(paid),
+            func.sum(items.c.completion_tokens).filter(paid),
             func.sum(items.c.attempts),
             func.sum(items.c.repairs),
             func.sum(items.c.repair_prompt_tokens),
             func.sum(items.c.repair_completion_tokens),
+            func.count().filter(items.c.reused_job.is_not(None)),
+            func.count().filter(copied),
         ).where(items.c.job == name)
     ).one()
     latencies: list[float] = list(
@@ -50,6 +56,8 @@ def item_stats(conn: Connection, name: str) -> dict[str, Any]:
             "prompt_tokens": int(totals[4] or 0),
             "completion_tokens": int(totals[5] or 0),
         },
+        "reused": int(totals[6] or 0),  # answers copied from earlier jobs
+        "repeated": int(totals[7] or 0),  # lines answered by an identical line's request
         "top_errors": errors,
         "top_invalid": invalid,
     }

@@ -21,6 +21,7 @@ from batchrun.jobs import Home
 from batchrun.ledger import ItemResult, Ledger
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.sim import SimModel, SimTransport, prompt_tag
+from batchrun.status_view import job_detail, render_detail
 from tests.fakes import FakeTime
 
 SPEC_A, SPEC_B = "a" * 64, "b" * 64
@@ -184,6 +185,15 @@ async def test_a_second_night_sends_only_what_changed(tmp_path: Path) -> None:
         assert record["output"].startswith(prompt_tag(prompt))
     assert out[0]["reused_from"] == {"job": "n1", "line": 1}
     assert "reused_from" not in out[15]
+    home = Home.at(tmp_path, None)
+    ledger = Ledger(home.ledger_url)
+    job = ledger.get_job("n2")
+    assert job is not None
+    shown = render_detail(job_detail(ledger, job))
+    assert "21 answers from earlier jobs" in shown
+    paid = ledger.item_stats("n2")
+    assert paid["reused"] == 21 and 0 < paid["completion_tokens"] < 100  # one answer's worth
+    ledger.close()
 
 
 @pytest.mark.anyio
