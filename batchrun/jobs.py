@@ -181,9 +181,10 @@ def _reuse(ledger: Ledger, name: str, spec: RunSpec, log: JobLog) -> tuple[int, 
         return 0, 0
     age = spec.reuse_max_age
     since = time.time() - reuse.seconds(age, key="reuse_max_age") if age else None
+    started = time.perf_counter()
     found = ledger.prepare_reuse(name, reuse.answer_spec(spec), reuse_since=since)
-    if any(found):
-        log.event("reuse", duplicates=found[0], reused=found[1], max_age=age)
+    took = round(time.perf_counter() - started, 3)
+    log.event("reuse", duplicates=found[0], reused=found[1], max_age=age, seconds=took)
     return found
 
 
