@@ -130,6 +130,8 @@ ANSWER_FIELDS = (
     "schema",
     "on_truncate",
     "max_tokens_cap",
+    "guided",
+    "repair_attempts",
 )
 
 

@@ -252,7 +252,10 @@ class Runner:
         last_line = 0  # claims walk forward; what other workers put back is found by a look from 0
         async with send:
             while not self._stopping.is_set():
-                batch = await self._claim(await self._claim_size(), last_line)
+                size = await self._claim_size()
+                if not size:
+                    return  # stopping: nothing more is claimed
+                batch = await self._claim(size, last_line)
                 if not batch:
                     # what other workers put back can be behind our last claim: look from the
                     # start once, then wait while any may come
@@ -274,7 +277,9 @@ class Runner:
         to four: a free slot finds an item waiting, and at the end of a job no worker sits on
         a backlog that another could send (with several workers, or after a stop)."""
         while True:
-            most = min(2 * MAX_CLAIM, max(32, 4 * self.throttle.limit))
+            most = max(32, 4 * self.throttle.limit)
+            if self._stopping.is_set():
+                return 0
             if self._unfinished <= most // 2:
                 return min(MAX_CLAIM, most - self._unfinished)
             self._room = anyio.Event()
@@ -326,6 +331,7 @@ class Runner:
                 except anyio.EndOfStream:
                     return
                 if self._stopping.is_set():
+                    self._unfinished -= 1
                     continue  # left running; released to pending when the run ends
                 result = await self.sender.process(item)
                 self._unfinished -= 1

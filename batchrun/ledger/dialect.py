@@ -35,6 +35,17 @@ MIGRATION_LOCK = 0x62617463  # PostgreSQL advisory lock key for migrations ("bat
 # SQLSTATEs of a server going away or not there yet: connection exceptions (class 08),
 # admin_shutdown, crash_shutdown, cannot_connect_now (starting up)
 OUT_OF_REACH_STATES = ("57P01", "57P02", "57P03")
+# What a server or resolver says when connecting cannot work however long we wait.
+REFUSALS = (
+    "authentication failed",
+    "does not exist",
+    "pg_hba.conf",
+    "no password supplied",
+    "name or service not known",
+    "nodename nor servname",
+    "permission denied",
+    "ssl",
+)
 
 
 class Dialect:
@@ -113,11 +124,14 @@ class Postgres(Dialect):
     def out_of_reach(self, exc: SQLAlchemyError) -> bool:
         if getattr(exc, "connection_invalidated", False):
             return True
-        state = getattr(getattr(exc, "orig", None), "sqlstate", None)
+        orig = getattr(exc, "orig", None)
+        state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)  # psycopg2
         if state:
             return str(state).startswith("08") or state in OUT_OF_REACH_STATES
-        # no SQLSTATE: the driver never reached a server (refused, reset, closed under us)
-        return isinstance(exc, OperationalError)
+        # No SQLSTATE: the driver failed while connecting. Refused, reset or timed out is a
+        # server away; a refused login, an unknown database or host is a mistake to say now.
+        said = str(orig or exc).lower()
+        return isinstance(exc, OperationalError) and not any(m in said for m in REFUSALS)
 
 
 SQLITE, POSTGRES = Dialect(), Postgres()

@@ -77,7 +77,12 @@ def join(conn: Connection, name: str, worker: str, *, ttl: float) -> int:
     lock_job(conn, name)
     now = db_now(conn)
     row = {"host": socket.gethostname(), "machine": this_machine(), "pid": os.getpid()}
-    conn.execute(workers.insert().values(id=worker, job=name, started_at=now, heartbeat=now, **row))
+    known = select(workers.c.id).where(workers.c.id == worker)
+    if conn.execute(known).first() is None:
+        values = {"id": worker, "job": name, "started_at": now, "heartbeat": now, **row}
+        conn.execute(workers.insert().values(**values))
+    else:  # joined already: a join whose answer was lost with the connection, tried again
+        conn.execute(update(workers).where(workers.c.id == worker).values(heartbeat=now))
     return reclaim(conn, name, worker, ttl=ttl)
 
 
@@ -206,7 +211,8 @@ def check_same(
 ) -> None:
     """Joining `name` with `spec` while other workers run it: the keys in `same` (the options
     that change an answer) must agree with the job's, or OptionError says which differ."""
-    others = live_count(conn, name, ttl=ttl)
+    now = db_now(conn)
+    others = sum(w.alive(now, ttl) for w in listed(conn, name, live=True))
     row = conn.execute(select(jobs.c.spec).where(jobs.c.name == name)).first()
     if not others or row is None:
         return

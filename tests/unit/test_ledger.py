@@ -242,6 +242,23 @@ def test_a_worker_asking_for_other_answers_cannot_join_a_running_job(ledger: Led
     assert job is not None and job.spec["temperature"] == 0.9  # alone now: its options
 
 
+def test_a_dead_worker_does_not_hold_a_job_to_its_options(ledger: Ledger) -> None:
+    make_job(ledger, 4)
+    same = ("temperature",)
+    ledger.join("j", "crashed", ttl=600, spec={"temperature": 0.2}, same=same)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    with ledger.engine.begin() as conn:  # its process is gone, its heartbeat still fresh
+        conn.execute(text("UPDATE workers SET pid = :pid"), {"pid": int(dead.stdout)})
+    ledger.join("j", "fixed", ttl=600, spec={"temperature": 0.9}, same=same)
+    ledger.join("j", "fixed", ttl=600, spec={"temperature": 0.9}, same=same)  # tried again
+    assert [w.id for w in ledger.workers("j")] == ["crashed", "fixed"]
+
+
 def test_a_second_worker_joins_and_claims_other_items(ledger: Ledger) -> None:
     make_job(ledger, 6)
     ledger.join("j", "first", ttl=60)  # this process: alive

@@ -106,11 +106,18 @@ def test_which_errors_mean_the_database_is_out_of_reach() -> None:
     refused = statement_error(OperationalError, psycopg.OperationalError("connection refused"))
     lost = statement_error(OperationalError, psycopg.errors.ConnectionFailure())
     full = statement_error(OperationalError, psycopg.errors.DiskFull())
+    login = psycopg.OperationalError(
+        'connection failed: FATAL:  password authentication failed for user "batch"'
+    )
+    refused_login = statement_error(OperationalError, login)
+    no_db = statement_error(
+        OperationalError, psycopg.OperationalError('FATAL:  database "nightly" does not exist')
+    )
     twice = statement_error(IntegrityError, psycopg.errors.UniqueViolation())
     for error in (shut_down, starting, refused, lost):
         assert POSTGRES.out_of_reach(error)
         assert not SQLITE.out_of_reach(error)  # a file is not away
-    for error in (full, twice):
+    for error in (full, twice, refused_login, no_db):  # waiting would not help
         assert not POSTGRES.out_of_reach(error)
 
 
