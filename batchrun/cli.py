@@ -155,6 +155,18 @@ RUN_OPTIONS: list[Callable[[F], F]] = [
         "and schema, and answer repeated lines once, instead of sending them [on].",
     ),
     click.option("--reuse-max-age", help="Reuse only answers this recent: 7d, 12h, 30m [any]."),
+    click.option(
+        "--max-total-tokens",
+        type=click.IntRange(min=1),
+        help="Stop before the job's prompt + completion tokens would pass this [no limit].",
+    ),
+    click.option(
+        "--max-cost",
+        type=click.FloatRange(min=0),
+        help="Stop before the job's cost would pass this, at --price-in/--price-out.",
+    ),
+    click.option("--price-in", type=click.FloatRange(min=0), help="Price of 1M prompt tokens."),
+    click.option("--price-out", type=click.FloatRange(min=0), help="Price of 1M output tokens."),
     click.option("--redact", is_flag=True, default=None, help="Keep input text out of the log."),
     click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
 ]

@@ -170,6 +170,10 @@ class RunSpec:
     max_input_tokens: int | None = None
     reuse: bool = True  # copy earlier jobs' answers to the same requests instead of sending
     reuse_max_age: str | None = None  # only answers this recent ("7d"); None: any age
+    max_total_tokens: int | None = None  # the job's budget: prompt + completion tokens
+    max_cost: float | None = None  # ... or money, at these prices per million tokens:
+    price_in: float | None = None
+    price_out: float | None = None
     sim_options: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -246,6 +250,10 @@ class RunOptions(TypedDict, total=False):
     max_input_tokens: int | None
     reuse: bool | None
     reuse_max_age: str | None
+    max_total_tokens: int | None
+    max_cost: float | None
+    price_in: float | None
+    price_out: float | None
     sim_options: dict[str, Any]
 
 
@@ -380,7 +388,13 @@ def _validate(spec: RunSpec, preset: Preset | None) -> None:
         raise OptionError("{outage_timeout} must be 0 or more")
     if spec.lease < 1:
         raise OptionError("{lease} must be at least 1 second")
-    for name in ("max_tokens", "max_line_bytes", "max_input_chars", "max_input_tokens"):
+    if spec.max_cost is not None and spec.price_in is None and spec.price_out is None:
+        raise OptionError("{max_cost} needs {price_in} and {price_out} (per million tokens)")
+    for name in ("max_cost", "price_in", "price_out"):
+        if (getattr(spec, name) or 0) < 0:
+            raise OptionError(f"{{{name}}} must be 0 or more")
+    limits = ("max_tokens", "max_line_bytes", "max_input_chars", "max_input_tokens")
+    for name in (*limits, "max_total_tokens"):
         value = getattr(spec, name)
         if value is not None and value < 1:
             raise OptionError(f"{{{name}}} must be at least 1")

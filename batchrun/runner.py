@@ -23,6 +23,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from batchrun.backends import Backend
+from batchrun.budget import Budget
 from batchrun.config import ANSWER_FIELDS, RunSpec
 from batchrun.controller import Change
 from batchrun.errors import (
@@ -139,6 +140,7 @@ class Runner:
             spec=self.spec.to_json(),
             same=ANSWER_FIELDS,
         )
+        await self._watch_spending()
         self.log.event(
             "run_started",
             owner=self.owner,
@@ -233,9 +235,22 @@ class Runner:
             self.throttle.pacer.share(live)
             self.log.event("budget_share", workers=live, rpm=self.spec.rpm, tpm=self.spec.tpm)
 
+    async def _watch_spending(self) -> None:
+        """With --max-total-tokens or --max-cost: what the job has paid so far (other
+        workers too), as the budget's starting point, then with every heartbeat."""
+        spec = self.spec
+        if spec.max_total_tokens is None and spec.max_cost is None:
+            return
+        spent = await self._db(self.ledger.paid_tokens, self.job)
+        if self.throttle.budget is None:
+            prices = (spec.price_in or 0.0, spec.price_out or 0.0)
+            self.throttle.budget = Budget(spec.max_total_tokens, spec.max_cost, *prices)
+        self.throttle.budget.saw_spent(*spent)
+
     async def _heartbeat(self) -> None:
         while True:
             await self._share_budget()
+            await self._watch_spending()
             await anyio.sleep(self.settings.lease_ttl / 3)
             reclaimed = await self._db(
                 self.ledger.heartbeat,

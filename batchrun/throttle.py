@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 
 from batchrun.backends.base import Completion
+from batchrun.budget import Budget
 from batchrun.config import Pacing
 from batchrun.controller import Change, ConcurrencyController
 from batchrun.errors import (
@@ -52,6 +53,7 @@ class Throttle:
         self.pacer = pacer
         self.controller = controller
         self.in_flight = 0  # requests on the wire now
+        self.budget: Budget | None = None  # the job's token or cost limit, when it has one
         self.clock = clock
         self._sleep = sleep
         self._on_change = on_change
@@ -84,10 +86,11 @@ class Throttle:
         """The concurrency limit (the slots open now may be fewer: controller.admitted)."""
         return self.controller.limit if self.controller else int(self._slots.total_tokens)
 
-    def slot(self, estimated_tokens: int) -> Slot:
-        """`async with throttle.slot(n) as slot`: wait for a free slot and the pacer's go,
-        then hold the slot while the request runs."""
-        return Slot(self, estimated_tokens)
+    def slot(self, estimated_tokens: int, *, prompt_tokens: int = 0) -> Slot:
+        """`async with throttle.slot(n) as slot`: wait for a free slot and the pacer's go
+        (and the budget's, with one: BudgetReached when this request would pass it), then
+        hold the slot while the request runs. `prompt_tokens`: the estimate's prompt part."""
+        return Slot(self, estimated_tokens, prompt_tokens)
 
     async def watch_server(self, read: Callable[[], Awaitable[ServerLoad | None]]) -> bool:
         """Feed the server's own running/waiting counts to the controller until cancelled.
@@ -122,9 +125,12 @@ class Throttle:
 class Slot:
     """One request on the wire: what it saw, reported once (a backends.base.Watch)."""
 
-    def __init__(self, throttle: Throttle, estimated_tokens: int) -> None:
+    def __init__(self, throttle: Throttle, estimated_tokens: int, prompt_tokens: int) -> None:
         self._throttle = throttle
         self._estimate = estimated_tokens
+        self._split = (prompt_tokens, max(0, estimated_tokens - prompt_tokens))
+        self._held = False  # its estimate held by the budget
+        self._used: tuple[int, int] | None = None  # what the answer says it cost
         self.sent_in_flight = 0  # set when it takes its slot
         self.sent_at_limit = 0
 
@@ -138,6 +144,9 @@ class Slot:
             wait = t.pacer.wait(t.clock(), self._estimate)
             if wait > 0:
                 await t._sleep(wait)
+            if t.budget is not None:
+                t.budget.admit(*self._split)
+                self._held = True
         except BaseException:
             t._slots.release()
             raise
@@ -150,6 +159,8 @@ class Slot:
         t = self._throttle
         t.in_flight -= 1
         t._slots.release()
+        if self._held and t.budget is not None:
+            t.budget.settle(*self._split, self._used)
 
     def accepted(self) -> None:
         t = self._throttle
@@ -171,8 +182,10 @@ class Slot:
         t = self._throttle
         now = t.clock()
         used = None
+        self._used = (self._split[0], output_tokens)  # estimated, unless the server says
         if completion.completion_tokens is not None:
             used = (completion.prompt_tokens or 0) + completion.completion_tokens
+            self._used = (completion.prompt_tokens or 0, completion.completion_tokens)
         t.pacer.succeeded(
             now, estimated_tokens=self._estimate, used_tokens=used, rate=completion.rate
         )

@@ -82,3 +82,18 @@ def _percentile(sorted_values: list[float], q: float) -> float | None:
         return None
     index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
     return float(sorted_values[index])
+
+
+def paid_tokens(conn: Connection, name: str) -> tuple[int, int]:
+    """Prompt and completion tokens the job paid for (repairs too; not reused answers)."""
+    paid = and_(items.c.reused_job.is_(None), items.c.dup_of.is_(None))
+
+    def total(answer: Any, repairs: Any) -> Any:
+        return func.coalesce(func.sum(answer).filter(paid), 0) + func.coalesce(func.sum(repairs), 0)
+
+    query = select(
+        total(items.c.prompt_tokens, items.c.repair_prompt_tokens),
+        total(items.c.completion_tokens, items.c.repair_completion_tokens),
+    ).where(items.c.job == name)
+    row = conn.execute(query).one()
+    return int(row[0] or 0), int(row[1] or 0)

@@ -15,7 +15,7 @@ from sqlalchemy import Connection, Engine, and_, bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
 
 from batchrun.errors import EmptyInput, InputError, JobExists
-from batchrun.ledger import reuse, workers
+from batchrun.ledger import reuse, stats, workers
 from batchrun.ledger.dialect import WRITE_OPTION, dialect_of
 from batchrun.ledger.engine import storage_errors
 from batchrun.ledger.ingest import Loader
@@ -32,7 +32,6 @@ from batchrun.ledger.records import (
 )
 from batchrun.ledger.rows import STORED_COLUMNS, as_json, claimed_of, job_of, stored_of
 from batchrun.ledger.schema import STATUSES, items, jobs
-from batchrun.ledger.stats import item_stats
 from batchrun.ledger.workers import Worker
 
 
@@ -384,7 +383,11 @@ class Ledger:
             yield from (stored_of(r) for r in rows)
             last = rows[-1]["line"]
 
+    def paid_tokens(self, name: str) -> tuple[int, int]:
+        with self._read("counting tokens") as conn:
+            return stats.paid_tokens(conn, name)
+
     def item_stats(self, name: str) -> dict[str, Any]:
         """Token totals, latency percentiles and the commonest errors, for `status`."""
         with self._read("reading stats") as conn:
-            return item_stats(conn, name)
+            return stats.item_stats(conn, name)

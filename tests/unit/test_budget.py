@@ -1,0 +1,82 @@
+"""Budgets: the job stops before a request would take it past --max-total-tokens or --max-cost,
+nothing is sent past it, untouched items stay pending, and a resume with more continues."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batchrun import jobs
+from batchrun.budget import Budget, BudgetReached
+from batchrun.config import resolve
+from batchrun.errors import OptionError
+from batchrun.jobs import Home
+from batchrun.ledger import Ledger
+from batchrun.run_state import RunnerSettings, RunStats
+from batchrun.sim import SimModel, SimTransport
+from tests.fakes import FakeTime
+
+
+def test_a_budget_holds_estimates_in_flight_and_spends_what_was_used() -> None:
+    budget = Budget(max_tokens=100)
+    budget.admit(30, 20)
+    budget.admit(30, 20)  # 100: exactly the limit
+    with pytest.raises(BudgetReached, match="--max-total-tokens 100 reached"):
+        budget.admit(1, 0)
+    budget.settle(30, 20, (25, 5))  # it used less than its estimate
+    assert budget.spent == 30
+    with pytest.raises(BudgetReached, match="30 tokens spent, 50 in flight"):
+        budget.admit(30, 10)  # 30 spent + 50 held + 40 > 100
+    budget.admit(10, 10)  # 30 + 50 + 20 = 100
+
+
+def test_a_cost_budget_prices_prompt_and_output_apart() -> None:
+    budget = Budget(max_cost=1.0, price_in=2.0, price_out=8.0)  # per million tokens
+    budget.admit(100_000, 50_000)  # 0.2 + 0.4
+    with pytest.raises(BudgetReached, match="--max-cost 1 reached"):
+        budget.admit(100_000, 50_000)  # would make 1.2
+    budget.settle(100_000, 50_000, None)  # failed: nothing spent
+    assert budget.cost(budget.spent_in, budget.spent_out) == 0.0
+    budget.saw_spent(400_000, 0)  # another worker paid 0.8
+    with pytest.raises(BudgetReached):
+        budget.admit(100_000, 50_000)
+
+
+async def run_job(tmp_path: Path, name: str, **options: Any) -> tuple[RunStats, dict[str, int]]:
+    home = Home.at(tmp_path, None)
+    ledger = Ledger(home.ledger_url)
+    spec = resolve({"backend": "sim", "concurrency": 4, "server_metrics": "off", **options})
+    if ledger.get_job(name) is None:
+        path = tmp_path / "in.jsonl"
+        path.write_text("".join(json.dumps({"prompt": f"item {i}"}) + "\n" for i in range(40)))
+        jobs.create_job(ledger, name, path, spec)
+    fake = FakeTime()
+    settings = RunnerSettings(sleep=fake.sleep, clock=fake.clock, drain_timeout=0.0)
+    transport = SimTransport(SimModel())
+    stats = await jobs.run_job(
+        ledger, home, name, spec, transport=transport, settings=settings, handle_signals=False
+    )
+    counts = ledger.counts(name)
+    paid = ledger.paid_tokens(name)
+    ledger.close()
+    return stats, {**counts, "paid": sum(paid)}
+
+
+@pytest.mark.anyio
+async def test_the_job_stops_at_its_token_budget_and_resumes_with_more(tmp_path: Path) -> None:
+    stats, seen = await run_job(tmp_path, "j", max_tokens=30, max_total_tokens=600)
+    assert stats.aborted is not None and "--max-total-tokens 600 reached" in stats.aborted
+    assert 0 < seen["done"] < 40 and seen["pending"] == 40 - seen["done"]
+    assert seen["failed"] == 0 and seen["paid"] <= 600  # nothing sent past it
+    assert stats.requests == seen["done"]  # the refused request was never sent
+    stats, seen = await run_job(tmp_path, "j", max_tokens=30, max_total_tokens=100_000)
+    assert stats.aborted is None and seen["done"] == 40
+
+
+@pytest.mark.anyio
+async def test_a_cost_budget_needs_prices(tmp_path: Path) -> None:
+    with pytest.raises(OptionError, match="max_cost needs price_in and price_out"):
+        await run_job(tmp_path, "j", max_cost=1.0)
