@@ -55,6 +55,7 @@ class JobReport:
     notes: tuple[str, ...] = ()  # things the caller should know (the input file changed...)
     stats: RunStats = field(default_factory=RunStats)  # this run's requests, retries, tokens
     workers: int = 1  # processes that worked on the job while this one ran (this one too)
+    preview: verbs.Preview | None = None  # with run=False: what a run would send and cost
 
     @property
     def ok(self) -> bool:
@@ -108,8 +109,11 @@ async def submit_async(
                     f"({existing.input_path}); use another job name"
                 )
             _say(on_message, f"job {name} exists for this file; {_left(led, name, run)}")
-        if not run:
-            return replace(_standing(led, where, name), loaded=loaded, rejected=rejected or 0)
+        if not run:  # a dry run: what running it would send and cost
+            ahead = await anyio.to_thread.run_sync(verbs.preview, led, name, run_spec)
+            _say(on_message, f"job {name}: {ahead.said()}")
+            standing = _standing(led, where, name)
+            return replace(standing, loaded=loaded, rejected=rejected or 0, preview=ahead)
         listen = _Listen(handle_signals, on_progress, on_message)
         report = await _run(led, where, name, run_spec, listen)
     return replace(report, loaded=loaded, rejected=rejected or 0)

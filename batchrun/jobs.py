@@ -16,6 +16,7 @@ import anyio
 from batchrun import reuse
 from batchrun.backends import Backend, Transport
 from batchrun.backends.build import build_backend, metrics_reader, sim_config, sim_transport
+from batchrun.budget import Budget
 from batchrun.config import RunSpec, preset_for, resolve
 from batchrun.errors import (
     BatchrunError,
@@ -27,8 +28,9 @@ from batchrun.errors import (
     RequestError,
     UsageError,
 )
-from batchrun.inputs import InputReader, file_digest
+from batchrun.inputs import InputReader, estimate_tokens, file_digest, prompt_chars
 from batchrun.ledger import FINAL_STATUSES, IngestReport, Job, Ledger
+from batchrun.limiter import estimate_request_tokens
 from batchrun.outputs import FORMATS, write_results
 from batchrun.progress import JobLog, Progress, ProgressUpdate
 from batchrun.retrying import OutageWatch, RetryPolicy
@@ -186,6 +188,54 @@ def _reuse(ledger: Ledger, name: str, spec: RunSpec, log: JobLog) -> tuple[int, 
     took = round(time.perf_counter() - started, 3)
     log.event("reuse", duplicates=found[0], reused=found[1], max_age=age, seconds=took)
     return found
+
+
+@dataclass(frozen=True)
+class Preview:
+    """What a run would do now, sending nothing (`submit --no-run`)."""
+
+    send: int  # items that would be sent
+    repeated: int  # lines that would wait for an identical line's answer
+    reused: int  # items an earlier job answered under the same options
+    tokens: int  # estimated tokens of what would be sent: prompts + max_tokens
+    cost: float | None  # at --price-in/--price-out, when given
+    model_known: bool = True  # without --model, answers reused under the server's are not seen
+
+    def said(self) -> str:
+        money = f", ~{self.cost:.4f} at the prices given" if self.cost is not None else ""
+        text = (
+            f"would send {self.send:,} requests (~{self.tokens:,} tokens at most{money}); "
+            f"{self.reused:,} answered by earlier jobs, {self.repeated:,} repeated lines "
+            "answered once"
+        )
+        if not self.model_known:
+            text += " (no --model: answers made under the model a server names are matched "
+            text += "only when a run has asked it)"
+        return text
+
+
+def preview(ledger: Ledger, name: str, spec: RunSpec) -> Preview:
+    """What running the job now would send and cost, from its stored requests. Without
+    --model, reuse is matched against the model named so far (a run asks the server first)."""
+    age = spec.reuse_max_age
+    since = time.time() - reuse.seconds(age, key="reuse_max_age") if age else None
+    defaults = spec.request_defaults()
+    key = reuse.answer_spec(spec) if spec.reuse else None
+
+    def estimate(body: dict[str, Any]) -> tuple[int, int]:
+        request = {**defaults, **body}
+        prompt = estimate_tokens(prompt_chars(request))
+        return prompt, estimate_request_tokens(request) - prompt
+
+    send, repeated, reused, (tokens_in, tokens_out) = ledger.preview(
+        name, key, reuse_since=since, estimate=estimate
+    )
+    tokens, cost = tokens_in + tokens_out, None
+    if spec.price_in is not None or spec.price_out is not None:
+        cost = Budget(price_in=spec.price_in or 0.0, price_out=spec.price_out or 0.0).cost(
+            tokens_in, tokens_out
+        )
+    return Preview(send, repeated, reused, tokens, cost, model_known=spec.model is not None)
 
 
 async def run_job(

@@ -16,9 +16,11 @@ run (`batchrun/reuse.py`); every result it records carries it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, select, update
+import orjson
+from sqlalchemy import Connection, and_, bindparam, exists, literal, select, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from batchrun.ledger.records import ItemResult
@@ -132,3 +134,49 @@ def fan_out(conn: Connection, job: str, recorded: list[ItemResult], now: float) 
     )
     rows = [{"leader": r.line} | {f"c_{c}": getattr(r, c) for c in COPIED} for r in recorded]
     return int(conn.execute(waiting, rows).rowcount) if rows else 0
+
+
+def preview(
+    conn: Connection,
+    job: str,
+    answer_spec: str | None,
+    *,
+    since: float | None,
+    estimate: Callable[[dict[str, Any]], tuple[int, int]],
+) -> tuple[int, int, int, tuple[int, int]]:
+    """What a run would do now, sending nothing: (items to send, repeated lines answered
+    once, items an earlier job answered, estimated prompt and output tokens of what would be
+    sent).
+    `answer_spec` None: nothing is reused or deduplicated (--no-reuse)."""
+    src = items.alias("src")
+    match: ColumnElement[bool] = and_(
+        src.c.digest == items.c.digest,
+        src.c.answer_spec == answer_spec,
+        src.c.status == "done",
+        src.c.endpoint == items.c.endpoint,
+        src.c.job != job,
+    )
+    if since is not None:
+        match = and_(match, src.c.updated_at >= since)
+    answered = exists().where(match) if answer_spec else literal(False)
+    query = (
+        select(items.c.endpoint, items.c.digest, items.c.body, answered)
+        .where(items.c.job == job, items.c.status == "pending")
+        .order_by(items.c.line)
+    )
+    first: dict[tuple[str, str], bool] = {}  # each request's first line: reusable or not
+    send = repeated = reused = tokens_in = tokens_out = 0
+    for endpoint, digest, body, earlier in conn.execute(query):
+        key = (endpoint, digest)
+        if answer_spec and key in first:
+            reused += first[key]
+            repeated += not first[key]
+            continue
+        first[key] = bool(earlier)
+        if earlier:
+            reused += 1
+        else:
+            send += 1
+            est_in, est_out = estimate(orjson.loads(body))
+            tokens_in, tokens_out = tokens_in + est_in, tokens_out + est_out
+    return send, repeated, reused, (tokens_in, tokens_out)

@@ -323,6 +323,18 @@ class Ledger:
             now = time.time()
             return waiting, reuse.reuse_earlier(conn, name, answer_spec, since=reuse_since, now=now)
 
+    def preview(
+        self,
+        name: str,
+        answer_spec: str | None,
+        *,
+        reuse_since: float | None,
+        estimate: Callable[[dict[str, Any]], tuple[int, int]],
+    ) -> tuple[int, int, int, tuple[int, int]]:
+        """What a run would send now (see reuse.preview); a read."""
+        with self._read("estimating the job") as conn:
+            return reuse.preview(conn, name, answer_spec, since=reuse_since, estimate=estimate)
+
     def requeue(self, name: str, statuses: tuple[str, ...] = ("failed", "invalid")) -> int:
         """Put finished-but-unsuccessful items back to pending (the `retry` command)."""
         now = time.time()

@@ -235,3 +235,24 @@ def test_the_age_limit_is_read_with_its_unit() -> None:
     assert seconds("1.5h", key="reuse_max_age") == 5400
     with pytest.raises(OptionError, match="reuse_max_age must be a number"):
         seconds("a week", key="reuse_max_age")
+
+
+@pytest.mark.anyio
+async def test_a_dry_run_says_what_would_be_sent_and_reused(tmp_path: Path) -> None:
+    await night(tmp_path, "n1", ["a", "b"], model="sim-1", max_tokens=10)
+    home = Home.at(tmp_path, None)
+    ledger = Ledger(home.ledger_url)
+    path = tmp_path / "n2.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["a", "c", "c", "d"]))
+    options = {"backend": "sim", "model": "sim-1", "max_tokens": 10, "price_out": 2.0}
+    spec = resolve(options)
+    jobs.create_job(ledger, "n2", path, spec)
+    ahead = jobs.preview(ledger, "n2", spec)
+    assert (ahead.send, ahead.reused, ahead.repeated) == (2, 1, 1)
+    assert ahead.tokens == 2 * (1 + 10)  # a one-token prompt and max_tokens each, at most
+    assert ahead.cost == pytest.approx(2 * 10 * 2.0 / 1e6)
+    assert "would send 2 requests" in ahead.said()
+    assert ledger.counts("n2")["pending"] == 4  # nothing changed
+    nothing = jobs.preview(ledger, "n2", resolve({**options, "reuse": False}))
+    assert (nothing.send, nothing.reused, nothing.repeated) == (4, 0, 0)
+    ledger.close()
