@@ -33,10 +33,12 @@ from batchrun.errors import (
 )
 from batchrun.outputs import Result
 from batchrun.progress import ProgressUpdate
+from batchrun.retention import GcReport, gc
 
 __all__ = [
     "BatchrunError",
     "FatalError",
+    "GcReport",
     "InputError",
     "JobReport",
     "LedgerError",
@@ -47,6 +49,7 @@ __all__ = [
     "UsageError",
     "__version__",
     "export",
+    "gc",
     "list_jobs",
     "results",
     "resume",

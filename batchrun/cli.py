@@ -15,7 +15,7 @@ import anyio
 import click
 import orjson
 
-from batchrun import __version__, api
+from batchrun import __version__, api, retention
 from batchrun.cli_bench import bench
 from batchrun.cli_errors import EXIT_ABORTED, errors_to_exit_codes, say, show
 from batchrun.cli_report import ProgressBar, exit_code, summary_line
@@ -315,6 +315,22 @@ def retry(ctx: Context, job_name: str) -> None:
     """Put JOB_NAME's failed and invalid items back to pending (then run `resume`)."""
     count = api.retry(job_name, **ctx.where)
     say(f"{count} item(s) of {job_name} back to pending; run `batchrun resume {job_name}`")
+
+
+@main.command()
+@click.option("--older-than", default="30d", show_default=True, help="Age: 30d, 12h, 90m.")
+@click.option("--all", "everything", is_flag=True, help="Keep nothing, not even for reuse.")
+@pass_ctx
+@errors_to_exit_codes
+def gc(ctx: Context, older_than: str, everything: bool) -> None:
+    """Remove jobs untouched for --older-than: their items, results files and logs, keeping the
+    answers later jobs may reuse (or nothing, with --all), then give the space back. A job a
+    live worker is running is never touched."""
+    done = retention.gc(older_than, everything=everything, **ctx.where)
+    kept = "" if everything else f", kept {done.kept:,} answers for reuse"
+    say(f"removed {len(done.jobs)} job(s): {done.removed:,} items{kept}")
+    for name in done.running:
+        say(f"left {name} alone: a worker is running it")
 
 
 @main.command()

@@ -90,6 +90,14 @@ class Dialect:
         """Inside a write: serialise schema migrations across processes."""
         # BEGIN IMMEDIATE already holds the database's write lock
 
+    def reclaim_space(self, engine: Engine) -> None:
+        """Give the space of deleted rows back (to the filesystem on SQLite)."""
+        raw = engine.raw_connection()  # the driver's own: VACUUM runs outside a transaction
+        try:
+            raw.cursor().execute("VACUUM")
+        finally:
+            raw.close()
+
     def out_of_reach(self, exc: SQLAlchemyError) -> bool:
         """The database cannot be reached at the moment (a server restarting, a connection
         dropped): worth waiting for, unlike a full disk or a broken rule."""
@@ -120,6 +128,11 @@ class Postgres(Dialect):
 
     def lock_migrations(self, conn: Connection) -> None:
         conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
+
+    def reclaim_space(self, engine: Engine) -> None:
+        # VACUUM cannot run in a transaction; plain VACUUM frees space for reuse in place
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql("VACUUM items")
 
     def out_of_reach(self, exc: SQLAlchemyError) -> bool:
         if getattr(exc, "connection_invalidated", False):

@@ -15,9 +15,10 @@ from sqlalchemy import Connection, Engine, and_, bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
 
 from batchrun.errors import EmptyInput, InputError, JobExists
-from batchrun.ledger import reuse, stats, workers
+from batchrun.ledger import gc, reuse, stats, workers
 from batchrun.ledger.dialect import WRITE_OPTION, dialect_of
 from batchrun.ledger.engine import storage_errors
+from batchrun.ledger.gc import Collected
 from batchrun.ledger.ingest import Loader
 from batchrun.ledger.migrations import ready_engine
 from batchrun.ledger.records import (
@@ -334,6 +335,16 @@ class Ledger:
         """What a run would send now (see reuse.preview); a read."""
         with self._read("estimating the job") as conn:
             return reuse.preview(conn, name, answer_spec, since=reuse_since, estimate=estimate)
+
+    def collect(self, *, before: float, everything: bool, ttl: float) -> Collected:
+        """Remove jobs untouched since `before` that no live worker runs (see gc.py), then
+        give the space back."""
+        with self._write("removing old jobs") as conn:
+            done = gc.collect(conn, before=before, everything=everything, ttl=ttl)
+        if done.jobs:
+            with storage_errors("reclaiming space", self.dialect):
+                self.dialect.reclaim_space(self.engine)
+        return done
 
     def requeue(self, name: str, statuses: tuple[str, ...] = ("failed", "invalid")) -> int:
         """Put finished-but-unsuccessful items back to pending (the `retry` command)."""

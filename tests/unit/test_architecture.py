@@ -128,6 +128,7 @@ def test_public_names_are_exactly_these() -> None:
         [
             "BatchrunError",
             "FatalError",
+            "GcReport",
             "InputError",
             "JobReport",
             "LedgerError",
@@ -138,6 +139,7 @@ def test_public_names_are_exactly_these() -> None:
             "UsageError",
             "__version__",
             "export",
+            "gc",
             "list_jobs",
             "results",
             "resume",

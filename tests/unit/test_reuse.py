@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import text
 
 from batchrun import jobs
 from batchrun.config import resolve
@@ -256,3 +257,53 @@ async def test_a_dry_run_says_what_would_be_sent_and_reused(tmp_path: Path) -> N
     nothing = jobs.preview(ledger, "n2", resolve({**options, "reuse": False}))
     assert (nothing.send, nothing.reused, nothing.repeated) == (4, 0, 0)
     ledger.close()
+
+
+# --- retention -------------------------------------------------------------------------------
+
+
+def age_jobs(ledger: Ledger) -> None:
+    with ledger.engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET updated_at = 0"))
+
+
+def test_gc_keeps_what_reuse_needs_and_never_touches_a_running_job(ledger: Ledger) -> None:
+    load(ledger, "old", ["x", "y", "z"])
+    ledger.join("old", "w0", ttl=60)
+    ledger.claim("old", "w0", 2, lease_ttl=60)
+    ledger.record("old", "w0", [ItemResult(1, "done", 1, output="X")], answer_spec=SPEC_A)
+    ledger.record("old", "w0", [ItemResult(2, "failed", 1, error="e")], answer_spec=SPEC_A)
+    ledger.release("old", "w0")
+    load(ledger, "busy", ["x"])
+    ledger.join("busy", "alive", ttl=60)  # this process: a live worker
+    age_jobs(ledger)
+    done = ledger.collect(before=time.time(), everything=False, ttl=60)
+    assert (done.jobs, done.running, done.kept, done.removed) == (["old"], ["busy"], 1, 2)
+    assert ledger.counts("busy")["pending"] == 1
+    kept = list(ledger.iter_results("old"))
+    assert [(i.line, i.output) for i in kept] == [(1, "X")]
+    load(ledger, "new", ["x"])  # what was kept is still reused
+    assert ledger.prepare_reuse("new", SPEC_A, reuse_since=None) == (0, 1)
+    ledger.release("busy", "alive")
+    age_jobs(ledger)
+    everything = ledger.collect(before=time.time(), everything=True, ttl=60)
+    assert sorted(everything.jobs) == ["busy", "new", "old"]
+    assert ledger.list_jobs() == []
+
+
+def test_gc_from_the_api_removes_results_files_and_logs(tmp_path: Path) -> None:
+    import batchrun
+
+    report = batchrun.submit(
+        [{"prompt": "a"}], job="tiny", home=tmp_path, backend="sim", server_metrics="off"
+    )
+    assert report.output is not None and report.output.exists()
+    assert batchrun.gc("30d", home=tmp_path).jobs == []  # too recent
+    ledger = Ledger(Home.at(tmp_path, None).ledger_url)
+    age_jobs(ledger)
+    ledger.close()
+    done = batchrun.gc("30d", home=tmp_path)
+    assert done.jobs == ["tiny"] and done.kept == 1
+    assert not report.output.exists() and not (tmp_path / "logs" / "tiny.log").exists()
+    with pytest.raises(OptionError, match="older_than must be a number"):
+        batchrun.gc("a month", home=tmp_path)

@@ -1,0 +1,41 @@
+"""Retention: `gc` removes old jobs, keeping the answers that later jobs may reuse."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from batchrun.api import PathLike, _home, _ledger
+from batchrun.outputs import FORMATS
+from batchrun.reuse import seconds
+from batchrun.run_state import LEASE_TTL
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What `gc` removed."""
+
+    jobs: list[str]  # old jobs collected (their results files and logs removed too)
+    removed: int  # item rows deleted
+    kept: int  # answers kept for reuse (their request bodies emptied)
+    running: list[str]  # old jobs left alone because a worker is running them
+
+
+def gc(
+    older_than: str = "30d",
+    *,
+    everything: bool = False,
+    home: PathLike = ".",
+    ledger: str | None = None,
+) -> GcReport:
+    """Remove jobs untouched for `older_than` ("30d", "12h"): their items, results files and
+    logs, keeping the answers later jobs may reuse (or nothing: `everything`); then give the
+    space back. A job a live worker is running is never touched."""
+    age = seconds(older_than, key="older_than")
+    where = _home(home, ledger)
+    with _ledger(where, existing=True) as led:
+        done = led.collect(before=time.time() - age, everything=everything, ttl=LEASE_TTL)
+    for name in done.jobs:
+        for path in (*(where.output_path(name, fmt) for fmt in FORMATS), where.log_path(name)):
+            path.unlink(missing_ok=True)
+    return GcReport(done.jobs, done.removed, done.kept, done.running)
