@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, and_, delete, select, update
 
 from batchrun.ledger import workers
-from batchrun.ledger.schema import items, jobs
+from batchrun.ledger.schema import items, jobs, waits
 from batchrun.ledger.schema import workers as worker_rows
 
 
@@ -45,6 +45,7 @@ def collect(conn: Connection, *, before: float, everything: bool, ttl: float) ->
             kept += int(conn.execute(emptied.values(body="{}", meta=None)).rowcount)
         removed += int(conn.execute(doomed).rowcount)
         conn.execute(delete(worker_rows).where(worker_rows.c.job == name))
+        conn.execute(delete(waits).where(waits.c.job == name))
         if everything:
             conn.execute(delete(jobs).where(jobs.c.name == name))
         collected.append(name)

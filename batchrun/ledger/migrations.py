@@ -26,11 +26,11 @@ from batchrun.ledger.dialect import WRITE_OPTION, dialect_of
 from batchrun.ledger.engine import make_engine, storage_errors
 from batchrun.ledger.schema import (
     items,
-    items_dups,
     items_id_unique,
     items_reuse,
     jobs,
     schema_migrations,
+    waits,
     workers,
 )
 
@@ -74,7 +74,7 @@ def _v5_reuse(conn: Connection) -> None:
         if column not in have:
             conn.execute(text(f"ALTER TABLE items ADD COLUMN {column} {kind}"))
     items_reuse.create(conn, checkfirst=True)
-    items_dups.create(conn, checkfirst=True)
+    waits.create(conn, checkfirst=True)
 
 
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
@@ -82,7 +82,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (2, "jobs.limit_history for --concurrency auto", _v2_limit_history),
     (3, "items.repairs and repair token counts for --repair-attempts", _v3_repair_costs),
     (4, "workers: several processes on one job", _v4_workers),
-    (5, "items: answer_spec, reused_job/line, dup_of for reuse and dedup", _v5_reuse),
+    (5, "items: answer_spec, reused_job/line, dup_of; waits: for reuse and dedup", _v5_reuse),
 ]
 
 

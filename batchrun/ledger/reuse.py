@@ -25,6 +25,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from batchrun.ledger.records import ItemResult
 from batchrun.ledger.schema import items
+from batchrun.ledger.schema import waits as waiting
 
 CHUNK = 1000  # lines looked up per query
 # What a reused or fanned-out line takes from the answer it copies.
@@ -61,6 +62,9 @@ def mark_duplicates(conn: Connection, job: str) -> int:
             .where(items.c.job == job, items.c.line == bindparam("l"))
             .values(dup_of=bindparam("leader")),
             waits,
+        )
+        conn.execute(
+            waiting.insert(), [{"job": job, "leader": w["leader"], "line": w["l"]} for w in waits]
         )
     return len(waits)
 
@@ -117,23 +121,34 @@ def reuse_earlier(
 
 def fan_out(conn: Connection, job: str, recorded: list[ItemResult], now: float) -> int:
     """The lines waiting for these results get them; how many. Only results this transaction
-    committed count (the line's row says so: its status and this `now`), not a late one that
-    the lease guard turned away."""
-    lead = items.alias("lead")
-    committed = (
-        select(lead.c.line)
-        .where(lead.c.job == job, lead.c.line == bindparam("leader"))
-        .where(lead.c.updated_at == now, lead.c.status == bindparam("c_status"))
-        .exists()
+    committed count (their rows say so: this `now`), not a late one that the lease guard
+    turned away. One key lookup when no line of the group has lines waiting for it."""
+    by_line = {r.line: r for r in recorded}
+    followers = conn.execute(
+        select(waiting.c.line, waiting.c.leader).where(
+            waiting.c.job == job, waiting.c.leader.in_(by_line)
+        )
+    ).all()
+    if not followers:
+        return 0
+    committed = set(
+        conn.execute(
+            select(items.c.line).where(
+                items.c.job == job, items.c.line.in_(by_line), items.c.updated_at == now
+            )
+        ).scalars()
     )
-    waiting = (
+    copy = (
         update(items)
-        .where(items.c.job == job, items.c.dup_of == bindparam("leader"))
-        .where(items.c.status == "pending", committed)
+        .where(items.c.job == job, items.c.line == bindparam("l"), items.c.status == "pending")
         .values(updated_at=now, **{c: bindparam(f"c_{c}") for c in COPIED})
     )
-    rows = [{"leader": r.line} | {f"c_{c}": getattr(r, c) for c in COPIED} for r in recorded]
-    return int(conn.execute(waiting, rows).rowcount) if rows else 0
+    rows = [
+        {"l": line} | {f"c_{c}": getattr(by_line[leader], c) for c in COPIED}
+        for line, leader in followers
+        if leader in committed
+    ]
+    return int(conn.execute(copy, rows).rowcount) if rows else 0
 
 
 def preview(

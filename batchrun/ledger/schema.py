@@ -123,11 +123,13 @@ items_reuse = Index(
     sqlite_where=text("status = 'done' AND answer_spec IS NOT NULL"),
     postgresql_where=text("status = 'done' AND answer_spec IS NOT NULL"),
 )
-# The duplicates waiting for a line's answer, found when it is recorded.
-items_dups = Index(
-    "ix_items_dups",
-    items.c.job,
-    items.c.dup_of,
-    sqlite_where=text("dup_of IS NOT NULL"),
-    postgresql_where=text("dup_of IS NOT NULL"),
+
+# Who waits for whom (migration 5): a line that repeats an earlier line's request, found by the
+# earlier line (`leader`) when its result is recorded. Its own table, keyed for that lookup.
+waits = Table(
+    "waits",
+    metadata,
+    Column("job", String(200), primary_key=True),
+    Column("leader", Integer, primary_key=True),
+    Column("line", Integer, primary_key=True),
 )

@@ -497,9 +497,8 @@ def test_migrations_bring_an_older_ledger_up_to_date(tmp_path: Path) -> None:
         "reused_line",
         "dup_of",
     } <= {c["name"] for c in inspect(engine).get_columns("items")}
-    assert {"ix_items_reuse", "ix_items_dups"} <= {
-        i["name"] for i in inspect(engine).get_indexes("items")
-    }
+    assert "ix_items_reuse" in {i["name"] for i in inspect(engine).get_indexes("items")}
+    assert "waits" in inspect(engine).get_table_names()
     assert migrate(engine) == 0
     ledger = Ledger(f"sqlite:///{db}")
     job = ledger.get_job("old")

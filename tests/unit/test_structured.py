@@ -359,7 +359,8 @@ def _job_from_lines(tmp_path: Path, lines: list[dict[str, Any]], **options: Any)
 
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     ledger = Ledger(Home.at(tmp_path, None).ledger_url)
-    spec = resolve({"backend": "sim", **options})
+    # no /metrics watch: under a fake clock its polling never rests, and starves the run
+    spec = resolve({"backend": "sim", "server_metrics": "off", **options})
     jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
     return ledger
 
