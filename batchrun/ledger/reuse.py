@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
-from sqlalchemy import Connection, and_, bindparam, exists, literal, select, update
+from sqlalchemy import Connection, and_, bindparam, exists, func, literal, select, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from batchrun.ledger.records import ItemResult
@@ -67,6 +67,18 @@ def mark_duplicates(conn: Connection, job: str) -> int:
             waiting.insert(), [{"job": job, "leader": w["leader"], "line": w["l"]} for w in waits]
         )
     return len(waits)
+
+
+def still_waiting(conn: Connection, job: str) -> int:
+    """Lines that wait for another line's answer (and were not answered by an earlier job)."""
+    query = (
+        select(func.count())
+        .select_from(waiting)
+        .join(items, and_(items.c.job == waiting.c.job, items.c.line == waiting.c.line))
+    )
+    return int(
+        conn.execute(query.where(waiting.c.job == job, items.c.status == "pending")).scalar() or 0
+    )
 
 
 def reuse_earlier(

@@ -14,7 +14,11 @@ def item_stats(conn: Connection, name: str) -> dict[str, Any]:
     # Tokens this job paid for: a reused answer, or one copied to a repeated line, cost
     # nothing here (it carries the usage of the request that made it).
     paid = and_(items.c.reused_job.is_(None), items.c.dup_of.is_(None))
-    copied = and_(items.c.dup_of.is_not(None), items.c.status.in_(FINAL_STATUSES))
+    copied = and_(  # answered by the line it repeats (not by an earlier job)
+        items.c.dup_of.is_not(None),
+        items.c.reused_job.is_(None),
+        items.c.status.in_(FINAL_STATUSES),
+    )
     totals = conn.execute(
         select(
             func.sum(items.c.prompt_tokens).filter(paid),

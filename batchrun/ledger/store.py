@@ -322,7 +322,8 @@ class Ledger:
             if not earlier:
                 return waiting, 0
             now = time.time()
-            return waiting, reuse.reuse_earlier(conn, name, answer_spec, since=reuse_since, now=now)
+            reused = reuse.reuse_earlier(conn, name, answer_spec, since=reuse_since, now=now)
+            return reuse.still_waiting(conn, name) if reused else waiting, reused
 
     def preview(
         self,
