@@ -27,7 +27,6 @@ from batchrun.ledger.records import ItemResult
 from batchrun.ledger.schema import items
 from batchrun.ledger.schema import waits as waiting
 
-CHUNK = 1000  # lines looked up per query
 # What a reused or fanned-out line takes from the answer it copies.
 COPIED = (
     "status",
@@ -85,50 +84,41 @@ def reuse_earlier(
     conn: Connection, job: str, answer_spec: str, *, since: float | None, now: float
 ) -> int:
     """Copy earlier jobs' done results onto this job's pending items with the same request
-    and answer options (made at `since` or later); how many items were answered."""
-    src = items.alias("src")
+    and answer options (made at `since` or later); how many items were answered. One
+    UPDATE ... FROM (SQLite 3.33+, PostgreSQL): the join runs in the database, each pending
+    item probing the (digest, answer_spec) index once; of several matches, any one serves."""
+    me, src = items.alias("me"), items.alias("src")
     match: ColumnElement[bool] = and_(
-        src.c.digest == items.c.digest,
+        src.c.digest == me.c.digest,
         src.c.answer_spec == answer_spec,
         src.c.status == "done",
-        src.c.endpoint == items.c.endpoint,
+        src.c.endpoint == me.c.endpoint,
         src.c.job != job,
     )
     if since is not None:
         match = and_(match, src.c.updated_at >= since)
+    found = (
+        select(
+            me.c.line.label("l"),
+            src.c.job.label("rj"),
+            src.c.line.label("rl"),
+            *(src.c[c].label(c) for c in COPIED),
+        )
+        .join(src, match)
+        .where(me.c.job == job, me.c.status == "pending")
+        .subquery("found")
+    )
     copy = (
         update(items)
-        .where(items.c.job == job, items.c.line == bindparam("l"), items.c.status == "pending")
+        .where(items.c.job == job, items.c.line == found.c.l, items.c.status == "pending")
         .values(
-            reused_job=bindparam("rj"),
-            reused_line=bindparam("rl"),
+            reused_job=found.c.rj,
+            reused_line=found.c.rl,
             updated_at=now,
-            **{c: bindparam(f"c_{c}") for c in COPIED},
+            **{c: found.c[c] for c in COPIED},
         )
     )
-    reused, after = 0, 0
-    while True:
-        lines = select(items.c.line).where(
-            items.c.job == job, items.c.status == "pending", items.c.line > after
-        )
-        chunk = list(conn.execute(lines.order_by(items.c.line).limit(CHUNK)).scalars())
-        if not chunk:
-            return reused
-        after = chunk[-1]
-        found = conn.execute(
-            select(items.c.line, src.c.job, src.c.line, *(src.c[c] for c in COPIED))
-            .join(src, match)
-            .where(items.c.job == job, items.c.line.in_(chunk))
-        ).all()
-        copies: dict[int, dict[str, Any]] = {}
-        for line, from_job, from_line, *values in found:
-            copies.setdefault(
-                line,
-                {"l": line, "rj": from_job, "rl": from_line}
-                | {f"c_{c}": v for c, v in zip(COPIED, values, strict=True)},
-            )
-        if copies:
-            reused += int(conn.execute(copy, list(copies.values())).rowcount)
+    return int(conn.execute(copy).rowcount)
 
 
 def fan_out(conn: Connection, job: str, recorded: list[ItemResult], now: float) -> int:
