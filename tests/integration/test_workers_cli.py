@@ -5,6 +5,7 @@ for them; an audit trigger installed from outside counts every result committed.
 from __future__ import annotations
 
 import signal
+import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,3 +63,30 @@ def test_a_worker_with_other_answer_options_is_refused_while_the_job_runs(
     assert "other worker" in other.stderr
     assert first.wait(timeout=120) == 0
     assert cli.counts("night") == {"done": 150}
+
+
+def test_gc_leaves_a_running_job_alone_and_collects_it_once_finished(
+    cli: CLI, sim_server: Callable[..., str], tmp_path: Path
+) -> None:
+    url = sim_server(*SLOW)
+    inp = tmp_path / "night.jsonl"
+    write_prompts(inp, 120)
+    assert cli.run("submit", str(inp), "--no-run", "--quiet").returncode == 0
+    worker = cli.start("resume", "night", "--base-url", url, "--concurrency", "4", "-q")
+    cli.wait_for("night", 10, worker)
+    db = cli.home / "jobs" / "ledger.db"
+    outside = Outside(f"sqlite:///{db}")
+
+    def age() -> None:  # as if untouched for a year
+        with sqlite3.connect(db, timeout=30) as conn:
+            conn.execute("UPDATE jobs SET updated_at = updated_at - 365 * 86400")
+
+    age()
+    busy = cli.run("gc", "--older-than", "30d")
+    assert busy.returncode == 0 and "left night alone: a worker is running it" in busy.stderr
+    assert worker.wait(timeout=120) == 0
+    assert outside.counts("night") == {"done": 120}
+    age()
+    done = cli.run("gc", "--older-than", "30d")
+    assert "removed 1 job(s): 0 items, kept 120 answers for reuse" in done.stderr
+    assert not (cli.home / "outputs" / "night.jsonl").exists()
