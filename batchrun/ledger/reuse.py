@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 from sqlalchemy import Connection, and_, bindparam, exists, func, literal, select, update
 from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.expression import FromClause
 
 from batchrun.ledger.records import ItemResult
 from batchrun.ledger.schema import items
@@ -80,6 +81,21 @@ def still_waiting(conn: Connection, job: str) -> int:
     )
 
 
+def _answered_before(
+    me: FromClause, src: FromClause, job: str, answer_spec: str, since: float | None
+) -> ColumnElement[bool]:
+    """`src` is an earlier job's answer to `me`'s request under `answer_spec`: what reuse
+    matches (the index on (digest, answer_spec) holds exactly the done answers)."""
+    match = and_(
+        src.c.digest == me.c.digest,
+        src.c.answer_spec == answer_spec,
+        src.c.status == "done",
+        src.c.endpoint == me.c.endpoint,
+        src.c.job != job,
+    )
+    return match if since is None else and_(match, src.c.updated_at >= since)
+
+
 def reuse_earlier(
     conn: Connection, job: str, answer_spec: str, *, since: float | None, now: float
 ) -> int:
@@ -88,15 +104,7 @@ def reuse_earlier(
     UPDATE ... FROM (SQLite 3.33+, PostgreSQL): the join runs in the database, each pending
     item probing the (digest, answer_spec) index once; of several matches, any one serves."""
     me, src = items.alias("me"), items.alias("src")
-    match: ColumnElement[bool] = and_(
-        src.c.digest == me.c.digest,
-        src.c.answer_spec == answer_spec,
-        src.c.status == "done",
-        src.c.endpoint == me.c.endpoint,
-        src.c.job != job,
-    )
-    if since is not None:
-        match = and_(match, src.c.updated_at >= since)
+    match = _answered_before(me, src, job, answer_spec, since)
     found = (
         select(
             me.c.line.label("l"),
@@ -166,15 +174,7 @@ def preview(
     sent).
     `answer_spec` None: nothing is reused or deduplicated (--no-reuse)."""
     src = items.alias("src")
-    match: ColumnElement[bool] = and_(
-        src.c.digest == items.c.digest,
-        src.c.answer_spec == answer_spec,
-        src.c.status == "done",
-        src.c.endpoint == items.c.endpoint,
-        src.c.job != job,
-    )
-    if since is not None:
-        match = and_(match, src.c.updated_at >= since)
+    match = _answered_before(items, src, job, answer_spec or "", since)
     answered = exists().where(match) if answer_spec else literal(False)
     query = (
         select(items.c.endpoint, items.c.digest, items.c.body, answered)
