@@ -181,13 +181,19 @@ def _reuse(ledger: Ledger, name: str, spec: RunSpec, log: JobLog) -> tuple[int, 
     answers to the same requests are copied (both off with --no-reuse). (waiting, reused)."""
     if not spec.reuse:
         return 0, 0
-    age = spec.reuse_max_age
-    since = time.time() - reuse.seconds(age, key="reuse_max_age") if age else None
     started = time.perf_counter()
-    found = ledger.prepare_reuse(name, reuse.answer_spec(spec), reuse_since=since)
+    found = ledger.prepare_reuse(name, reuse.answer_spec(spec), reuse_since=_since(spec))
     took = round(time.perf_counter() - started, 3)
-    log.event("reuse", duplicates=found[0], reused=found[1], max_age=age, seconds=took)
+    log.event(
+        "reuse", duplicates=found[0], reused=found[1], max_age=spec.reuse_max_age, seconds=took
+    )
     return found
+
+
+def _since(spec: RunSpec) -> float | None:
+    """The oldest answer --reuse-max-age lets a run reuse (None: any)."""
+    age = spec.reuse_max_age
+    return time.time() - reuse.seconds(age, key="reuse_max_age") if age else None
 
 
 @dataclass(frozen=True)
@@ -217,8 +223,6 @@ class Preview:
 def preview(ledger: Ledger, name: str, spec: RunSpec) -> Preview:
     """What running the job now would send and cost, from its stored requests. Without
     --model, reuse is matched against the model named so far (a run asks the server first)."""
-    age = spec.reuse_max_age
-    since = time.time() - reuse.seconds(age, key="reuse_max_age") if age else None
     defaults = spec.request_defaults()
     key = reuse.answer_spec(spec) if spec.reuse else None
 
@@ -228,7 +232,7 @@ def preview(ledger: Ledger, name: str, spec: RunSpec) -> Preview:
         return prompt, estimate_request_tokens(request) - prompt
 
     send, repeated, reused, (tokens_in, tokens_out) = ledger.preview(
-        name, key, reuse_since=since, estimate=estimate
+        name, key, reuse_since=_since(spec), estimate=estimate
     )
     tokens, cost = tokens_in + tokens_out, None
     if spec.price_in is not None or spec.price_out is not None:
@@ -268,7 +272,7 @@ async def run_job(
         except FatalError as exc:
             log.event("abort", error=str(exc), kind=type(exc).__name__)
             return RunStats(aborted=str(exc))
-        waiting, reused = _reuse(ledger, name, spec, log)
+        waiting, reused = await anyio.to_thread.run_sync(_reuse, ledger, name, spec, log)
         counts = ledger.counts(name)
         done_before = sum(counts[s] for s in FINAL_STATUSES)
         progress = Progress(
