@@ -20,13 +20,18 @@ pytestmark = pytest.mark.integration
 SLOW = ("--ttft-ms", "20", "--tpot-ms", "2")  # ~100 ms a request
 
 
+def loaded(cli: CLI, tmp_path: Path, job: str, items: int) -> None:
+    """A job of `items` prompts, loaded and not run."""
+    inp = tmp_path / f"{job}.jsonl"
+    write_prompts(inp, items)
+    assert cli.run("submit", str(inp), "--no-run", "--quiet").returncode == 0
+
+
 def test_a_frozen_worker_loses_its_items_and_commits_nothing_for_them(
     cli: CLI, sim_server: Callable[..., str], tmp_path: Path
 ) -> None:
     url = sim_server(*SLOW)
-    inp = tmp_path / "frozen.jsonl"
-    write_prompts(inp, 200)
-    assert cli.run("submit", str(inp), "--no-run", "--quiet").returncode == 0
+    loaded(cli, tmp_path, "frozen", 200)
     db = cli.home / "jobs" / "ledger.db"
     outside = Outside(f"sqlite:///{db}")
     outside.install_audit()
@@ -51,9 +56,7 @@ def test_a_worker_with_other_answer_options_is_refused_while_the_job_runs(
     cli: CLI, sim_server: Callable[..., str], tmp_path: Path
 ) -> None:
     url = sim_server(*SLOW)
-    inp = tmp_path / "night.jsonl"
-    write_prompts(inp, 150)
-    assert cli.run("submit", str(inp), "--no-run", "--quiet").returncode == 0
+    loaded(cli, tmp_path, "night", 150)
     run = ("resume", "night", "--base-url", url, "--concurrency", "4", "-q")
     first = cli.start(*run)
     cli.wait_for("night", 10, first)
@@ -69,9 +72,7 @@ def test_gc_leaves_a_running_job_alone_and_collects_it_once_finished(
     cli: CLI, sim_server: Callable[..., str], tmp_path: Path
 ) -> None:
     url = sim_server(*SLOW)
-    inp = tmp_path / "night.jsonl"
-    write_prompts(inp, 120)
-    assert cli.run("submit", str(inp), "--no-run", "--quiet").returncode == 0
+    loaded(cli, tmp_path, "night", 120)
     worker = cli.start("resume", "night", "--base-url", url, "--concurrency", "4", "-q")
     cli.wait_for("night", 10, worker)
     db = cli.home / "jobs" / "ledger.db"
