@@ -190,7 +190,11 @@ class ConcurrencyController:
             self._roomy_reads = 0
             self._waiting_reads += 1
             if self.phase == "ramp" or self._waiting_reads >= 2:
-                target = math.ceil(in_flight - load.waiting + allowance)
+                # Ours that run: in flight less those waiting, and never more than the server
+                # runs (on a busy client some of "in flight" have not reached it yet).
+                ours = in_flight - load.waiting
+                running = min(ours, load.running) if load.running else ours
+                target = math.ceil(running + allowance)
                 if target < self.limit:
                     return self._settle(now, target, "queue", "server metrics")
             return None

@@ -259,6 +259,14 @@ def test_the_servers_own_queue_steers_when_it_publishes_one() -> None:
     assert ctl.server_load(3.5, full, in_flight=29) is None  # the KV cache is full: no room
 
 
+def test_requests_not_yet_at_the_server_do_not_count_as_running_there() -> None:
+    """A busy client: 76 in flight, but the server runs 8 and holds 50 waiting (18 are still in
+    the client's pipes). Ours that run are at most the 8 the server runs, not 76 - 50."""
+    ctl = ConcurrencyController(initial=76)
+    change = ctl.server_load(1.0, ServerLoad(running=8, waiting=50), in_flight=76)
+    assert change is not None and change.reason == "queue" and change.limit == 9  # 8, +1 leeway
+
+
 def test_server_metrics_end_the_ramp_at_the_queue() -> None:
     ctl = ConcurrencyController(initial=30)
     change = ctl.server_load(1.0, ServerLoad(running=8, waiting=22), in_flight=30)
