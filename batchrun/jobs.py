@@ -28,9 +28,9 @@ from batchrun.errors import (
     RequestError,
     UsageError,
 )
-from batchrun.inputs import InputReader, estimate_tokens, file_digest, prompt_chars
+from batchrun.inputs import InputReader, file_digest
 from batchrun.ledger import FINAL_STATUSES, IngestReport, Job, Ledger
-from batchrun.limiter import estimate_request_tokens
+from batchrun.limiter import estimate_split
 from batchrun.outputs import FORMATS, write_results
 from batchrun.progress import JobLog, Progress, ProgressUpdate
 from batchrun.retrying import OutageWatch, RetryPolicy
@@ -226,13 +226,11 @@ def preview(ledger: Ledger, name: str, spec: RunSpec) -> Preview:
     defaults = spec.request_defaults()
     key = reuse.answer_spec(spec) if spec.reuse else None
 
-    def estimate(body: dict[str, Any]) -> tuple[int, int]:
-        request = {**defaults, **body}
-        prompt = estimate_tokens(prompt_chars(request))
-        return prompt, estimate_request_tokens(request) - prompt
-
     send, repeated, reused, (tokens_in, tokens_out) = ledger.preview(
-        name, key, reuse_since=_since(spec), estimate=estimate
+        name,
+        key,
+        reuse_since=_since(spec),
+        estimate=lambda body: estimate_split({**defaults, **body}),
     )
     tokens, cost = tokens_in + tokens_out, None
     if spec.price_in is not None or spec.price_out is not None:

@@ -139,8 +139,13 @@ def _gap(remaining: int | None, limit: int | None, reset: float | None, low: flo
 def estimate_request_tokens(body: dict[str, Any]) -> int:
     """What a request may cost against a tokens-per-minute budget: its prompt (4 characters a
     token) plus the most it may generate."""
+    return sum(estimate_split(body))
+
+
+def estimate_split(body: dict[str, Any]) -> tuple[int, int]:
+    """The same estimate in its two parts (prompt, output): budgets price them apart."""
     limit = body.get("max_tokens") or body.get("max_completion_tokens") or DEFAULT_MAX_TOKENS
-    return estimate_tokens(prompt_chars(body)) + (limit if isinstance(limit, int) else 0)
+    return estimate_tokens(prompt_chars(body)), (limit if isinstance(limit, int) else 0)
 
 
 DEFAULT_MAX_TOKENS = 256  # assumed when a request does not say

@@ -16,9 +16,9 @@ import anyio
 
 from batchrun.backends import Backend, Completion, CompletionRequest
 from batchrun.errors import BadRequest, FatalError, RequestError
-from batchrun.inputs import estimate_tokens, prompt_chars
+from batchrun.inputs import estimate_tokens
 from batchrun.ledger import ClaimedItem, ItemResult
-from batchrun.limiter import estimate_request_tokens
+from batchrun.limiter import estimate_split
 from batchrun.progress import JobLog, input_summary
 from batchrun.retrying import RetryPolicy
 from batchrun.run_state import RunnerSettings, RunStats
@@ -77,9 +77,8 @@ class Sender:
             tries += 1
             guided = plan.guided
             request = CompletionRequest(item.endpoint, plan.request())
-            estimate = estimate_request_tokens(request.body)
-            prompt = estimate_tokens(prompt_chars(request.body))
-            async with self.throttle.slot(estimate, prompt_tokens=prompt) as slot:
+            prompt, most = estimate_split(request.body)
+            async with self.throttle.slot(prompt + most, prompt_tokens=prompt) as slot:
                 # Counted when sent (every request sent gets its attempt line); a retry is the
                 # same request again (repairs are new requests, not retries).
                 self.stats.requests += 1

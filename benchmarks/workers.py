@@ -30,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from batchrun.ledger import Ledger  # noqa: E402
+from tests.integration.helpers import cli_command  # noqa: E402
 
 BATCH = 64
 
@@ -82,24 +83,9 @@ def load(url: str, work: Path, items: int) -> Path:
     path = work / "bench.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"Say {i}."}) + "\n" for i in range(items)))
     home = work / f"home-{uuid.uuid4().hex[:8]}"
+    submit = ("submit", str(path), "--job", "bench", "--no-run", "--quiet")
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "batchrun",
-            "--home",
-            str(home),
-            "--ledger",
-            url,
-            "submit",
-            str(path),
-            "--job",
-            "bench",
-            "--no-run",
-            "--quiet",
-        ],
-        capture_output=True,
-        text=True,
+        cli_command(home, "--ledger", url, *submit), capture_output=True, text=True
     )
     if done.returncode != 0:
         raise SystemExit(f"loading failed: {done.stderr}")
@@ -120,25 +106,8 @@ def ledger_only(url: str, workers: int) -> tuple[float, int, int]:
 
 
 def whole_job(url: str, home: Path, base_url: str, workers: int) -> float:
-    command = [
-        sys.executable,
-        "-m",
-        "batchrun",
-        "--home",
-        str(home),
-        "--ledger",
-        url,
-        "resume",
-        "bench",
-        "--base-url",
-        base_url,
-        "--model",
-        "fast-1",
-        "--concurrency",
-        "32",
-        "--no-stream",
-        "--quiet",
-    ]
+    flags = ("--base-url", base_url, "--model", "fast-1", "--concurrency", "32")
+    command = cli_command(home, "--ledger", url, "resume", "bench", *flags, "--no-stream", "-q")
     started = time.perf_counter()
     procs = [subprocess.Popen(command, stderr=subprocess.PIPE, text=True) for _ in range(workers)]
     for p in procs:
