@@ -9,11 +9,16 @@ line per request; the goal for night 2 is the distinct changed requests, exactly
 and their ratio, and the reuse lookup's own time (the `reuse` log event) per 1,000 items.
 
     python benchmarks/nightly.py [--items 100000] [--changed 0.02] [--duplicates 0.01]
+        [--server fast|llama-server]
+
+`--server llama-server`: llama.cpp's C++ server (-np 8, the tiny model; see
+concurrency_matrix.py) instead of the zero-latency one, answers of at most 32 tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -21,11 +26,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.concurrency_matrix import SHAPES, serve  # noqa: E402
 from tests.integration.helpers import cli_command  # noqa: E402
 
 
@@ -40,6 +47,19 @@ def start_server() -> tuple[subprocess.Popen[str], str]:
     return proc, line.split()[-1]
 
 
+@contextlib.contextmanager
+def serving(server: str, work: Path) -> Iterator[str]:
+    if server == "llama-server":
+        with serve(SHAPES["llama-np8"], work / "server.log") as url:
+            yield url
+        return
+    proc, url = start_server()
+    try:
+        yield url
+    finally:
+        proc.kill()
+
+
 def write(path: Path, prompts: list[str]) -> None:
     with path.open("w") as f:
         for i, prompt in enumerate(prompts):
@@ -49,6 +69,7 @@ def write(path: Path, prompts: list[str]) -> None:
 def run_night(home: Path, job: str, path: Path, url: str) -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if k not in ("BATCHRUN_HOME", "BATCHRUN_LEDGER")}
     flags = ["--job", job, "--base-url", url, "--model", "m", "--concurrency", "32"]
+    flags += ["--max-tokens", "32"]
     command = cli_command(home, "submit", str(path), *flags, "--no-stream", "--quiet")
     started = time.monotonic()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -72,6 +93,7 @@ def main() -> None:
     parser.add_argument("--changed", type=float, default=0.02)
     parser.add_argument("--duplicates", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--server", choices=["fast", "llama-server"], default="fast")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     first = [f"Rewrite the description of product {i}." for i in range(args.items)]
@@ -84,16 +106,12 @@ def main() -> None:
     sources = rng.sample(changed, repeats // 2) + rng.sample(unchanged, repeats - repeats // 2)
     second += [second[i] for i in sources]
     expected = len(set(second) - set(first))  # distinct requests night 1 never sent
-    proc, url = start_server()
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            home = Path(tmp)
-            write(home / "night1.jsonl", first)
-            write(home / "night2.jsonl", second)
-            one = run_night(home, "night1", home / "night1.jsonl", url)
-            two = run_night(home, "night2", home / "night2.jsonl", url)
-    finally:
-        proc.kill()
+    with tempfile.TemporaryDirectory() as tmp, serving(args.server, Path(tmp)) as url:
+        home = Path(tmp)
+        write(home / "night1.jsonl", first)
+        write(home / "night2.jsonl", second)
+        one = run_night(home, "night1", home / "night1.jsonl", url)
+        two = run_night(home, "night2", home / "night2.jsonl", url)
     header = ("night", "items", "requests", "reused", "repeats", "wall", "lookup", "per 1,000")
     print("{:6} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10}".format(*header))
     for name, night, items in (("1", one, len(first)), ("2", two, len(second))):
