@@ -20,9 +20,10 @@ from batchrun.cli_bench import bench
 from batchrun.cli_errors import EXIT_ABORTED, errors_to_exit_codes, say, show
 from batchrun.cli_report import ProgressBar, exit_code, summary_line
 from batchrun.cli_sim import sim
-from batchrun.config import PRESETS, resolve
+from batchrun.config import resolve
 from batchrun.doctor import diagnose, ready, render
 from batchrun.outputs import FORMATS
+from batchrun.presets import PRESETS
 from batchrun.status_view import render_detail, render_table
 
 F = TypeVar("F", bound=Callable[..., Any])

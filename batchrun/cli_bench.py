@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import anyio
 import click
@@ -16,8 +15,10 @@ from batchrun.bench.load import LoadPlan
 from batchrun.bench.run import Endpoint, output_folder, parse_endpoint, run_bench
 from batchrun.bench.suite import builtin_suite, load_suite, select
 from batchrun.cli_errors import errors_to_exit_codes, say, show
-from batchrun.config import PRESETS, resolve
+from batchrun.config import resolve
+from batchrun.endpoints import host_port
 from batchrun.errors import UsageError
+from batchrun.presets import PRESETS
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -107,11 +108,6 @@ def bench(ctx: click.Context, /, **o: Any) -> None:
     folder = o["output"] or output_folder(ctx.obj.home.root / "outputs", label)
     run = functools.partial(run_bench, label=label, guided=o["guided"], say=say, show=show)
     anyio.run(functools.partial(run, endpoints, suite, plan, folder, selftest=o["self_test"]))
-
-
-def host_port(url: str) -> str:
-    """What names an endpoint given by URL alone: its host and port (never its credentials)."""
-    return urlsplit(url).netloc.rpartition("@")[2] or url
 
 
 def _endpoints(o: dict[str, Any]) -> list[Endpoint]:

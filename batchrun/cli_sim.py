@@ -36,6 +36,14 @@ from batchrun.sim.json_answers import JSON_STYLES
     show_default=True,
     help="Extra time to first token per prompt token.",
 )
+@click.option(
+    "--prefix-cache-blocks",
+    default=SimConfig.prefix_cache_blocks,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Prefix cache size in blocks of 64 tokens (256 characters); 0 turns it off. A prompt's "
+    "cached start costs no --prefill-ms-per-token.",
+)
 @click.option("--min-output-tokens", default=8, show_default=True)
 @click.option("--max-output-tokens", default=48, show_default=True)
 @click.option("--model", "models", multiple=True, help="Model name(s) served [sim-1].")
@@ -101,6 +109,7 @@ def sim(
     ttft_ms: float,
     tpot_ms: float,
     prefill_ms_per_token: float,
+    prefix_cache_blocks: int,
     min_output_tokens: int,
     max_output_tokens: int,
     models: tuple[str, ...],
@@ -123,8 +132,9 @@ def sim(
 ) -> None:
     """Serve the built-in OpenAI-compatible simulator (synthetic outputs) until stopped.
 
-    GET /sim/stats reports requests, faults injected by kind, and prompts answered twice;
-    GET /metrics the requests running and waiting, under vLLM's Prometheus names."""
+    GET /sim/stats reports requests, faults injected by kind, prompts answered twice and prefix
+    cache hits; GET /metrics the requests running and waiting and the prefix cache's queried and
+    cached tokens, under vLLM's Prometheus names."""
     api_key = None
     if api_key_env:
         api_key = os.environ.get(api_key_env)
@@ -134,6 +144,7 @@ def sim(
         ttft_ms=ttft_ms,
         tpot_ms=tpot_ms,
         prefill_ms_per_token=prefill_ms_per_token,
+        prefix_cache_blocks=prefix_cache_blocks,
         min_output_tokens=min_output_tokens,
         max_output_tokens=max_output_tokens,
         models=models or ("sim-1",),

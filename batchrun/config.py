@@ -15,69 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
+from batchrun.endpoints import parse_endpoints
 from batchrun.errors import OptionError, UsageError
+from batchrun.presets import PRESETS, Preset
 
 ENDPOINTS = ("chat", "completions")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 ON_TRUNCATE = ("fail", "retry-longer")
-
-
-@dataclass(frozen=True)
-class Preset:
-    """What a known server needs: where it usually listens, its key variable, its quirks."""
-
-    name: str
-    base_url: str
-    api_key_env: str | None
-    key_required: bool = False
-    auth: str = "bearer"  # how the key is sent: a style in backends/base.py AUTH_STYLES
-    protocol: str = "openai"  # what it speaks: a backend in backends/build.py BACKENDS
-    stream_options: bool = True  # accepts stream_options: {"include_usage": true}
-    # How it takes a JSON Schema for constrained decoding: response_format type "json_schema"
-    # (OpenAI, vLLM, SGLang, Groq, Ollama) or "json_object" with a "schema" (llama.cpp).
-    guided_style: str = "json_schema"
-    note: str = ""
-
-
-PRESETS: dict[str, Preset] = {
-    p.name: p
-    for p in (
-        Preset(
-            "vllm",
-            "http://127.0.0.1:8000/v1",
-            "VLLM_API_KEY",
-            note="vllm serve MODEL; key only if started with --api-key",
-        ),
-        Preset(
-            "sglang",
-            "http://127.0.0.1:30000/v1",
-            "SGLANG_API_KEY",
-            note="python -m sglang.launch_server; key only if started with --api-key",
-        ),
-        Preset(
-            "llamacpp",
-            "http://127.0.0.1:8080/v1",
-            "LLAMACPP_API_KEY",
-            guided_style="json_object",
-            note="llama-server or python -m llama_cpp.server; serves one model",
-        ),
-        Preset(
-            "ollama",
-            "http://127.0.0.1:11434/v1",
-            None,
-            note="ollama serve; model names like llama3.2:1b",
-        ),
-        Preset("groq", "https://api.groq.com/openai/v1", "GROQ_API_KEY", key_required=True),
-        Preset("openai", "https://api.openai.com/v1", "OPENAI_API_KEY", key_required=True),
-        Preset(
-            "sim",
-            "http://sim.batchrun.invalid/v1",
-            None,
-            note="in-process simulator; outputs are synthetic",
-        ),
-        Preset("custom", "", None, note="any OpenAI-compatible server given by --base-url"),
-    )
-}
+ORDERS = ("prefix", "input")
 
 
 # The spec's parts, for the layers that need only one: the input reader takes the guards, the
@@ -145,6 +90,9 @@ class RunSpec:
     model: str | None = None
     api_key_env: str | None = None
     endpoint: str = "chat"
+    # Several endpoints (endpoints.py syntax); when given, they replace backend/base_url/key.
+    endpoints: tuple[str, ...] = ()
+    order: str = "prefix"  # claim order: lines sharing a long prompt prefix together, or "input"
     stream: bool = True
     concurrency: int | str = "auto"  # "auto": the adaptive controller (controller.py), or a number
     max_concurrency: int = 256  # the most "auto" may reach
@@ -225,6 +173,8 @@ class RunOptions(TypedDict, total=False):
     model: str | None
     api_key_env: str | None  # the NAME of the variable that holds the key, never the key
     endpoint: str | None  # "chat" or "completions"
+    endpoints: list[str] | tuple[str, ...] | None  # NAME=URL[,model=..]: several endpoints
+    order: str | None  # "prefix" (lines sharing a long prefix go out together) or "input"
     stream: bool | None
     concurrency: int | str | None  # a number, or "auto"
     max_concurrency: int | None
@@ -325,6 +275,11 @@ def resolve(*layers: dict[str, Any], endpoint_required: bool = True) -> RunSpec:
         if switched:  # a new preset brings its own URL and key variable, not the old ones
             merged.pop("base_url", None)
             merged.pop("api_key_env", None)
+        if layer.get("endpoints"):  # several endpoints replace the one the job had
+            for key in ("backend", "base_url", "api_key_env"):
+                merged.pop(key, None)
+        elif layer.get("backend") or layer.get("base_url"):  # and one replaces several
+            merged.pop("endpoints", None)
         for key, value in layer.items():
             if value is None:
                 continue
@@ -332,6 +287,9 @@ def resolve(*layers: dict[str, Any], endpoint_required: bool = True) -> RunSpec:
                 raise UsageError(f"unknown option {key!r}")
             merged[key] = _coerce(key, value)
 
+    if merged.get("endpoints"):  # the job's own URL is its first endpoint's, for messages
+        first = parse_endpoints(merged["endpoints"])[0]
+        merged.setdefault("base_url", first.url)
     backend = merged.get("backend") or ("custom" if merged.get("base_url") else None)
     if backend is None and not endpoint_required:
         spec = RunSpec(**{**merged, "backend": "", "base_url": ""})
@@ -362,6 +320,13 @@ def _validate(spec: RunSpec, preset: Preset | None) -> None:
         raise OptionError(
             f"{{endpoint}} must be chat or completions, got {OptionError.quoted(spec.endpoint)}"
         )
+    for e in parse_endpoints(spec.endpoints):
+        if e.key and not ENV_NAME.fullmatch(e.key):  # not echoed, like api_key_env
+            raise UsageError(f"--endpoint {e.name}: key= must be the NAME of a variable")
+        if e.backend and e.backend not in PRESETS:
+            raise UsageError(f"--endpoint {e.name}: unknown backend {e.backend!r}")
+    if spec.order not in ORDERS:
+        raise OptionError(f"{{order}} must be one of {', '.join(ORDERS)}")
     if isinstance(spec.concurrency, int) and spec.concurrency < 1:
         raise OptionError("{concurrency} must be at least 1")
     if spec.max_concurrency < 1:

@@ -19,6 +19,7 @@ import orjson
 from batchrun.config import InputGuards
 from batchrun.errors import UsageError
 from batchrun.ledger.records import BadLine, InputItem
+from batchrun.prefixes import prefix_key
 from batchrun.validate import response_format, schema_of, schema_problem
 
 # Top-level fields of a prompt/messages line that are request parameters rather than meta.
@@ -90,8 +91,10 @@ class InputReader:
         endpoint: str = "chat",
         defaults: dict[str, Any] | None = None,
         guards: InputGuards = NO_GUARDS,
+        prefixes: bool = False,
     ) -> None:
         self.path = path
+        self.prefixes = prefixes  # key each line's long prompt prefix (prefixes.py)
         self.endpoint = endpoint
         self.defaults = defaults or {}
         self.max_line_bytes = guards.max_line_bytes
@@ -179,7 +182,8 @@ class InputReader:
             digest = canonical_digest(self.defaults, body)
         else:  # the stored body already is the canonical form
             digest = hashlib.sha256(body_json).hexdigest()
-        return InputItem(number, item_id, endpoint, body_json, digest, meta_json)
+        prefix = prefix_key(body) if self.prefixes else None
+        return InputItem(number, item_id, endpoint, body_json, digest, meta_json, prefix)
 
     def _check_line_schema(self, fmt: Any) -> None:
         """A schema sent with a line must be usable, or every answer to it would be invalid.

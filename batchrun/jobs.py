@@ -14,18 +14,16 @@ from typing import Any
 import anyio
 
 from batchrun import reuse
-from batchrun.backends import Backend, Transport
-from batchrun.backends.build import build_backend, metrics_reader, sim_config, sim_transport
+from batchrun.backends import Transport
+from batchrun.backends.build import sim_config
 from batchrun.budget import Budget
 from batchrun.config import RunSpec, preset_for, resolve
 from batchrun.errors import (
     BatchrunError,
-    EndpointDown,
     FatalError,
     JobExists,
     LedgerError,
     OptionError,
-    RequestError,
     UsageError,
 )
 from batchrun.inputs import InputReader, file_digest
@@ -33,7 +31,7 @@ from batchrun.ledger import FINAL_STATUSES, IngestReport, Job, Ledger
 from batchrun.limiter import estimate_split
 from batchrun.outputs import FORMATS, write_results
 from batchrun.progress import JobLog, Progress, ProgressUpdate
-from batchrun.retrying import OutageWatch, RetryPolicy
+from batchrun.routes import opened_routes
 from batchrun.run_state import BUSY_PATIENCE_S, RunnerSettings, RunStats
 from batchrun.runner import Runner
 from batchrun.structured import OutputRules
@@ -159,23 +157,6 @@ def resolve_for_job(
     return spec
 
 
-async def pick_model(backend: Backend, spec: RunSpec, policy: RetryPolicy) -> RunSpec:
-    """With no --model, use the one model a local server serves (llama.cpp, vLLM...).
-
-    A server that is still starting gets the outage grace period to answer."""
-    if spec.model:
-        return spec
-    try:
-        models = await policy.call_within(backend.list_models, spec.outage_timeout)
-    except FatalError:
-        raise
-    except RequestError as exc:
-        raise EndpointDown(f"cannot list models at {spec.base_url}: {exc}") from None
-    if not models:
-        raise FatalError(f"{spec.base_url}/models lists no model; give --model")
-    return replace(spec, model=models[0])
-
-
 def _reuse(ledger: Ledger, name: str, spec: RunSpec, log: JobLog) -> tuple[int, int]:
     """Before sending: repeated lines wait for their first line's answer, and earlier jobs'
     answers to the same requests are copied (both off with --no-reuse). (waiting, reused)."""
@@ -255,58 +236,58 @@ async def run_job(
     """Run every item that is not final yet. Ctrl-C/SIGTERM stop it gracefully."""
     rules = output_rules(spec)
     settings = settings or RunnerSettings(lease_ttl=spec.lease)
-    transport = transport or sim_transport(spec)
-    backend = build_backend(spec, transport)
-    reader = metrics_reader(spec, transport)
     log = JobLog(home.log_path(name), name, redact=spec.redact)
-    policy = RetryPolicy(
-        spec.max_attempts,
-        OutageWatch(spec.outage_timeout, settings.clock),
-        sleep=settings.sleep,
-    )
+
+    def left_out(endpoint: str, why: str) -> None:
+        log.event("endpoint_out", endpoint=endpoint, error=why)
+        if on_message is not None:
+            on_message(f"endpoint {endpoint} left out: {why}")
+
+    opened = False
     try:
-        try:
-            spec = await pick_model(backend, spec, policy)
-        except FatalError as exc:
-            log.event("abort", error=str(exc), kind=type(exc).__name__)
-            return RunStats(aborted=str(exc))
-        waiting, reused = await anyio.to_thread.run_sync(_reuse, ledger, name, spec, log)
-        counts = ledger.counts(name)
-        done_before = sum(counts[s] for s in FINAL_STATUSES)
-        progress = Progress(
-            total=sum(counts.values()),
-            initial=done_before,
-            concurrency=spec.most_in_flight,  # the runner shows its own limit
-            on_progress=on_progress,
-            on_message=on_message,
-        )
-        progress.update(newly_done=0, tokens=0, retries=0, failed=0)  # where it starts
-        runner = Runner(
-            ledger,
-            backend,
-            name,
-            spec,
-            log=log,
-            progress=progress,
-            rules=rules,
-            settings=settings,
-            server_load=reader.read if reader is not None else None,
-        )
-        try:
-            async with anyio.create_task_group() as tg:
-                if handle_signals:
-                    tg.start_soon(_stop_on_signals, runner)
-                stats = await runner.run()
-                stats.reused, stats.duplicates = reused, waiting
-                tg.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            raise _single_error(group) from None
-        return stats
+        async with opened_routes(
+            spec, transport=transport, sleep=settings.sleep, clock=settings.clock, note=left_out
+        ) as routes:
+            opened = True
+            if len(routes) == 1 and not spec.endpoints:
+                spec = routes[0].spec  # its model, asked of the server when not given
+            waiting, reused = await anyio.to_thread.run_sync(_reuse, ledger, name, spec, log)
+            counts = ledger.counts(name)
+            progress = Progress(
+                total=sum(counts.values()),
+                initial=sum(counts[s] for s in FINAL_STATUSES),
+                concurrency=spec.most_in_flight,  # the runner shows its own limit
+                on_progress=on_progress,
+                on_message=on_message,
+            )
+            progress.update(newly_done=0, tokens=0, retries=0, failed=0)  # where it starts
+            runner = Runner(
+                ledger,
+                routes,
+                name,
+                spec,
+                log=log,
+                progress=progress,
+                rules=rules,
+                settings=settings,
+            )
+            try:
+                async with anyio.create_task_group() as tg:
+                    if handle_signals:
+                        tg.start_soon(_stop_on_signals, runner)
+                    stats = await runner.run()
+                    stats.reused, stats.duplicates = reused, waiting
+                    tg.cancel_scope.cancel()
+            except BaseExceptionGroup as group:
+                raise _single_error(group) from None
+            return stats
+    except FatalError as exc:
+        if opened:
+            raise
+        log.event("abort", error=str(exc), kind=type(exc).__name__)  # no endpoint to send to
+        return RunStats(aborted=str(exc))
     finally:
         log.close()
-        await backend.aclose()
-        if reader is not None:
-            await reader.aclose()
 
 
 def output_rules(spec: RunSpec) -> OutputRules:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Hashable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import anyio
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
@@ -72,6 +72,14 @@ class OutageWatch:
             self.down_since = self.clock()
         return self.down
 
+    def suspect(self, key: Hashable) -> bool:
+        """Whether `key` kept failing while other requests were answered (its own fault)."""
+        return key in self._suspects
+
+    def resend_now(self, key: Hashable) -> bool:
+        """One endpoint: nowhere else to send it."""
+        return False
+
     @property
     def down(self) -> bool:
         return (
@@ -93,11 +101,30 @@ def looks_like_outage(exc: TransientError) -> bool:
     return isinstance(exc, Overloaded) and exc.status in OUTAGE_STATUSES
 
 
+class Outages(Protocol):
+    """What the policy asks of its outage rules: an OutageWatch for one endpoint, a Fleet
+    (fleet.py) for several."""
+
+    grace: float
+    clock: Clock
+
+    @property
+    def down(self) -> bool: ...
+
+    def check(self) -> None: ...
+
+    def success(self, key: Hashable = None) -> None: ...
+
+    def failure(self, exc: TransientError, key: Hashable = None) -> bool: ...
+
+    def resend_now(self, key: Hashable) -> bool: ...
+
+
 class RetryPolicy:
     def __init__(
         self,
         max_attempts: int,
-        outage: OutageWatch,
+        outage: Outages,
         *,
         sleep: Sleep = anyio.sleep,
         base_wait: float = 0.5,
@@ -109,7 +136,9 @@ class RetryPolicy:
         self._backoff = wait_random_exponential(multiplier=base_wait, max=max_wait)
         self._outage_wait = min(max_wait, max(0.05, outage.grace / 4))
 
-    def _wait(self, state: RetryCallState) -> float:
+    def _wait(self, state: RetryCallState, key: Hashable = None) -> float:
+        if self.outage.resend_now(key):  # another endpoint takes it now
+            return 0.0
         exc = state.outcome.exception() if state.outcome else None
         hinted = getattr(exc, "retry_after", None)
         if hinted is not None:
@@ -133,15 +162,15 @@ class RetryPolicy:
             counted = 0 if self.outage.failure(exc, key) else 1
             if counted >= self.max_attempts:
                 raise
-            await self.sleep(self._first_wait(exc))
+            await self.sleep(self._first_wait(exc, key))
             return await self._retrying(fn, key, counted)
         self.outage.success(key)
         return result
 
-    def _first_wait(self, exc: TransientError) -> float:
+    def _first_wait(self, exc: TransientError, key: Hashable) -> float:
         state = RetryCallState(AsyncRetrying(), None, (), {})
         state.set_exception((type(exc), exc, exc.__traceback__))
-        return self._wait(state)
+        return self._wait(state, key)
 
     async def _retrying(self, fn: Callable[[], Awaitable[T]], key: Hashable, counted: int) -> T:
         """The attempts after the first (tenacity numbers them from 2 on, for the backoff)."""
@@ -152,7 +181,7 @@ class RetryPolicy:
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(TransientError),
             stop=out_of_attempts,
-            wait=self._wait,
+            wait=lambda state: self._wait(state, key),
             sleep=self.sleep,
             reraise=True,
         )

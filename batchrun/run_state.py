@@ -5,10 +5,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 
 from batchrun.retrying import Sleep
+
+if TYPE_CHECKING:
+    from batchrun.fleet import EndpointUse
 
 LEASE_TTL = 60.0  # a runner whose heartbeat is older than this is taken for dead
 
@@ -31,6 +35,7 @@ class RunStats:
     stopped_by: int | None = None  # the signal that stopped it (SIGINT, SIGTERM), if one did
     reused: int = 0  # items answered from earlier jobs before sending
     duplicates: int = 0  # lines that waited for an identical line's answer
+    endpoints: list[EndpointUse] = field(default_factory=list)  # what each endpoint did
 
 
 BUSY_PATIENCE_S = 600.0  # how long to wait for another process's ledger lock (a long ingest)

@@ -13,16 +13,16 @@ at a time, so the event loop never blocks on disk.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from batchrun.backends import Backend
 from batchrun.budget import Budget
 from batchrun.config import ANSWER_FIELDS, RunSpec
 from batchrun.controller import Change
@@ -31,6 +31,8 @@ from batchrun.errors import (
     LedgerError,
     OutputError,
 )
+from batchrun.feeder import Feeder
+from batchrun.fleet import Fleet, Lane, Route
 from batchrun.ledger import ClaimedItem, ItemResult, Ledger
 from batchrun.ledger_calls import LedgerCalls
 from batchrun.progress import JobLog, Progress
@@ -38,19 +40,18 @@ from batchrun.retrying import OutageWatch, RetryPolicy
 from batchrun.reuse import answer_spec
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.sender import Sender
-from batchrun.server_metrics import ServerLoad
 from batchrun.structured import OutputRules
 from batchrun.throttle import Throttle
 
 MAX_GROUP = 1000  # results per commit at most
-MAX_CLAIM = 256  # items per claim at most
+SAID = ("endpoint_down", "endpoint_up", "endpoint_out")  # endpoint events said on the terminal
 
 
 class Runner:
     def __init__(
         self,
         ledger: Ledger,
-        backend: Backend,
+        routes: list[Route],
         job: str,
         spec: RunSpec,
         *,
@@ -58,10 +59,9 @@ class Runner:
         progress: Progress | None = None,
         rules: OutputRules | None = None,
         settings: RunnerSettings | None = None,
-        server_load: Callable[[], Awaitable[ServerLoad | None]] | None = None,
     ) -> None:
         self.ledger = ledger
-        self.backend = backend
+        self.routes = routes
         self.job = job
         self.spec = spec
         self.log = log
@@ -70,33 +70,38 @@ class Runner:
         self.owner = uuid.uuid4().hex
         self.stats = RunStats()
         self.answer_spec = answer_spec(spec)  # recorded with each result, for later reuse
-        retries, pacing = spec.retries, spec.pacing
-        self.outage = OutageWatch(retries.outage_timeout, clock=self.settings.clock)
-        self.policy = RetryPolicy(retries.max_attempts, self.outage, sleep=self.settings.sleep)
+        retries = spec.retries
+        self.fleet = Fleet(
+            [self._lane(route) for route in routes],
+            clock=self.settings.clock,
+            on_event=self._endpoint_event,
+        )
+        self.policy = RetryPolicy(retries.max_attempts, self.fleet, sleep=self.settings.sleep)
         self._db = LedgerCalls(
             self.settings,
             outage_timeout=retries.outage_timeout,
             log=log,
             say=progress.say if progress is not None else None,
         )
-        self.throttle = Throttle.for_pacing(
-            pacing, clock=self.settings.clock, sleep=self.settings.sleep, on_change=self._adjust
-        )
-        self._server_load = server_load
         self._sharing = 1  # workers the --rpm/--tpm budget is shared between
         self._limit_log: deque[tuple[float, int, str]] = deque(maxlen=20)
         if progress is not None:
-            progress.concurrency = self.throttle.limit
-        self._stopping = anyio.Event()
-        self._held: set[int] = set()  # lines claimed and not yet committed
-        self._unfinished = 0  # items claimed and not yet answered (in flight, queued, waiting)
-        self._room = anyio.Event()  # set when an item is answered
+            progress.concurrency = self.fleet.limit
+        self.feeder = Feeder(
+            ledger,
+            self._db,
+            job=job,
+            owner=self.owner,
+            limit=lambda: self.fleet.limit,
+            settings=self.settings,
+            log=log,
+        )
+        self._stopping = self.feeder.stopping
         self._workers_scope: anyio.CancelScope | None = None
         self.rules = rules or OutputRules()
         self.sender = Sender(
-            backend,
+            self.fleet,
             policy=self.policy,
-            throttle=self.throttle,
             rules=self.rules,
             defaults=spec.request_defaults(),
             log=log,
@@ -104,6 +109,18 @@ class Runner:
             settings=self.settings,
             on_fatal=self._abort,
         )
+
+    def _lane(self, route: Route) -> Lane:
+        """An endpoint's own throttle (adaptive limit, rpm/tpm) and outage watch."""
+        s = self.settings
+        throttle = Throttle.for_pacing(
+            route.spec.pacing,
+            clock=s.clock,
+            sleep=s.sleep,
+            on_change=functools.partial(self._adjust, route.name),
+        )
+        outage = OutageWatch(route.spec.outage_timeout, clock=s.clock)
+        return Lane(route, throttle, outage, answer_spec(route.spec))
 
     # --- control --------------------------------------------------------------------------
 
@@ -116,7 +133,7 @@ class Runner:
         elif self.progress is not None:
             self.progress.say(
                 f"stopping: waiting up to {self.settings.drain_timeout:g} s for "
-                f"{self.throttle.in_flight} request(s) in flight (Ctrl-C again to stop now)"
+                f"{self.fleet.in_flight} request(s) in flight (Ctrl-C again to stop now)"
             )
         self.stats.interrupted = True
         self.stats.stopped_by = self.stats.stopped_by or signum
@@ -156,8 +173,9 @@ class Runner:
                 async with anyio.create_task_group() as side:
                     side.start_soon(self._heartbeat)
                     side.start_soon(self._drain_on_stop)
-                    if self._server_load is not None:
-                        side.start_soon(self._watch_server, self._server_load)
+                    for lane in self.fleet.lanes:
+                        if lane.route.server_load is not None:
+                            side.start_soon(self._watch_server, lane)
                     await self._run_workers(results_send)
                     side.cancel_scope.cancel()
         except BaseException:
@@ -181,11 +199,13 @@ class Runner:
                 self.owner,
                 progress=(self.stats.recorded, self.stats.requests),
                 limits=list(self._limit_log),
+                endpoints=self._endpoints(),
             )
         except LedgerError:
             if not quiet_errors:
                 raise
         self.stats.elapsed = time.monotonic() - self.stats.started
+        self.stats.endpoints = self.fleet.uses()
         with contextlib.suppress(OutputError):
             self.log.event(
                 "run_stopped",
@@ -194,16 +214,27 @@ class Runner:
                 recorded=self.stats.recorded,
                 requests=self.stats.requests,
                 retries=self.stats.retries,
-                stale_resends=self.backend.stale_resends,
-                limit=self.throttle.limit,
+                stale_resends=sum(lane.backend.stale_resends for lane in self.fleet.lanes),
+                limit=self.fleet.limit,
                 aborted=self.stats.aborted,
                 interrupted=self.stats.interrupted,
                 elapsed_s=round(self.stats.elapsed, 3),
             )
 
-    async def _watch_server(self, read: Callable[[], Awaitable[ServerLoad | None]]) -> None:
-        if not await self.throttle.watch_server(read):
-            self.log.event("server_metrics", available=False)
+    async def _watch_server(self, lane: Lane) -> None:
+        assert lane.route.server_load is not None
+        if not await lane.throttle.watch_server(lane.route.server_load):
+            self.log.event("server_metrics", available=False, endpoint=lane.name)
+
+    def _endpoints(self) -> dict[str, Any] | None:
+        """Per endpoint, for `status`, with several."""
+        return None if self.fleet.only else self.fleet.describe()
+
+    def _endpoint_event(self, name: str, **fields: Any) -> None:
+        self.log.event(name, **fields)
+        if name in SAID and self.progress is not None:
+            why = f": {fields['error']}" if fields.get("error") else ""
+            self.progress.say(f"endpoint {fields['endpoint']} {name.partition('_')[2]}{why}")
 
     async def _run_workers(self, results_send: MemoryObjectSendStream[ItemResult]) -> None:
         # More workers than slots: an item sleeping before its retry holds no slot, and
@@ -212,7 +243,7 @@ class Runner:
         work_send, work_recv = anyio.create_memory_object_stream[ClaimedItem](most)
         async with anyio.create_task_group() as workers:
             self._workers_scope = workers.cancel_scope
-            workers.start_soon(self._feeder, work_send)
+            workers.start_soon(self.feeder.run, work_send)
             async with work_recv, results_send:
                 for _ in range(most):
                     workers.start_soon(self._worker, work_recv.clone(), results_send.clone())
@@ -232,7 +263,8 @@ class Runner:
         live = max(1, live)
         if live != self._sharing:
             self._sharing = live
-            self.throttle.pacer.share(live)
+            for lane in self.fleet.lanes:
+                lane.throttle.pacer.share(live)
             self.log.event("budget_share", workers=live, rpm=self.spec.rpm, tpm=self.spec.tpm)
 
     async def _watch_spending(self) -> None:
@@ -242,10 +274,14 @@ class Runner:
         if spec.max_total_tokens is None and spec.max_cost is None:
             return
         spent = await self._db(self.ledger.paid_tokens, self.job)
-        if self.throttle.budget is None:
+        lanes = self.fleet.lanes
+        if lanes[0].throttle.budget is None:  # one budget, whichever endpoint spends it
             prices = (spec.price_in or 0.0, spec.price_out or 0.0)
-            self.throttle.budget = Budget(spec.max_total_tokens, spec.max_cost, *prices)
-        self.throttle.budget.saw_spent(*spent)
+            budget = Budget(spec.max_total_tokens, spec.max_cost, *prices)
+            for lane in lanes:
+                lane.throttle.budget = budget
+        assert lanes[0].throttle.budget is not None
+        lanes[0].throttle.budget.saw_spent(*spent)
 
     async def _heartbeat(self) -> None:
         while True:
@@ -259,75 +295,10 @@ class Runner:
                 lease_ttl=self.settings.lease_ttl,
                 progress=(self.stats.recorded, self.stats.requests),
                 limits=list(self._limit_log),
+                endpoints=self._endpoints(),
             )
             if reclaimed:  # a worker that is gone left these: back to pending, for anyone
                 self.log.event("reclaimed", items=reclaimed)
-
-    async def _feeder(self, send: MemoryObjectSendStream[ClaimedItem]) -> None:
-        last_line = 0  # claims walk forward; what other workers put back is found by a look from 0
-        async with send:
-            while not self._stopping.is_set():
-                size = await self._claim_size()
-                if not size:
-                    return  # stopping: nothing more is claimed
-                batch = await self._claim(size, last_line)
-                if not batch:
-                    # what other workers put back can be behind our last claim: look from the
-                    # start once, then wait while any may come
-                    if last_line == 0 and not await self._more_may_come():
-                        return
-                    last_line = 0
-                    continue
-                last_line = batch[-1].line
-                for item in batch:
-                    if self._stopping.is_set():
-                        return  # claimed but unsent items are released at the end
-                    try:  # a worker is free: no trip through the event loop
-                        send.send_nowait(item)
-                    except anyio.WouldBlock:
-                        await send.send(item)
-
-    async def _claim_size(self) -> int:
-        """Wait until at most two limits' worth of items are unanswered here, then claim up
-        to four: a free slot finds an item waiting, and at the end of a job no worker sits on
-        a backlog that another could send (with several workers, or after a stop)."""
-        while True:
-            most = max(32, 4 * self.throttle.limit)
-            if self._stopping.is_set():
-                return 0
-            if self._unfinished <= most // 2:
-                return min(MAX_CLAIM, most - self._unfinished)
-            self._room = anyio.Event()
-            await self._room.wait()
-
-    async def _claim(self, size: int, after_line: int) -> list[ClaimedItem]:
-        outages = self._db.outages
-        batch = await self._db(
-            self.ledger.claim,
-            self.job,
-            self.owner,
-            size,
-            lease_ttl=self.settings.lease_ttl,
-            after_line=after_line,
-        )
-        self._held.update(item.line for item in batch)
-        self._unfinished += len(batch)
-        if self._db.outages != outages:
-            # A claim that the connection lost may have committed: items leased to us that
-            # no worker here holds would wait for our lease forever; they go back to pending.
-            strays = await self._db(self.ledger.put_back_strays, self.job, self.owner, self._held)
-            if strays:
-                self.log.event("strays_put_back", items=strays)
-        return batch
-
-    async def _more_may_come(self) -> bool:
-        """Nothing left to claim: wait while items are pending or held by other workers (one
-        that dies leaves them to us: the heartbeat reclaims them); False when none is."""
-        if not await self._db(self.ledger.more_may_come, self.job, self.owner):
-            return False
-        with anyio.move_on_after(min(1.0, self.settings.lease_ttl / 6)):  # then claim again
-            await self._stopping.wait()
-        return not self._stopping.is_set()
 
     async def _worker(
         self,
@@ -346,21 +317,22 @@ class Runner:
                 except anyio.EndOfStream:
                     return
                 if self._stopping.is_set():
-                    self._unfinished -= 1
+                    self.feeder.answered()
                     continue  # left running; released to pending when the run ends
                 result = await self.sender.process(item)
-                self._unfinished -= 1
-                self._room.set()
+                self.feeder.answered()
                 if result is not None:
                     results.send_nowait(result)  # unbounded: never drops a finished result
 
-    def _adjust(self, change: Change) -> None:
-        """A reported move of the adaptive limit: to the progress bar, `status` and the log."""
-        self._limit_log.append((round(time.time(), 3), change.limit, change.reason))
+    def _adjust(self, endpoint: str, change: Change) -> None:
+        """A reported move of an adaptive limit: to the progress bar, `status` and the log."""
+        limit = self.fleet.limit
+        self._limit_log.append((round(time.time(), 3), limit, change.reason))
         if self.progress is not None:
-            self.progress.concurrency = change.limit
+            self.progress.concurrency = limit
+        named = {} if len(self.routes) == 1 else {"endpoint": endpoint}
         self.log.event(
-            "concurrency", limit=change.limit, reason=change.reason, signal=change.signal
+            "concurrency", limit=change.limit, reason=change.reason, signal=change.signal, **named
         )
 
     async def _writer(self, results: MemoryObjectReceiveStream[ItemResult]) -> None:
@@ -404,7 +376,7 @@ class Runner:
         changed = await self._db(
             self.ledger.record, self.job, self.owner, group, answer_spec=self.answer_spec
         )
-        self._held.difference_update(result.line for result in group)
+        self.feeder.held.difference_update(result.line for result in group)
         self.stats.recorded += changed
         for result in group:
             self.stats.by_status[result.status] = self.stats.by_status.get(result.status, 0) + 1

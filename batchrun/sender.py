@@ -14,8 +14,9 @@ from typing import Any
 
 import anyio
 
-from batchrun.backends import Backend, Completion, CompletionRequest
+from batchrun.backends import Completion, CompletionRequest
 from batchrun.errors import BadRequest, FatalError, RequestError
+from batchrun.fleet import Fleet, Lane, Rerouted
 from batchrun.inputs import estimate_tokens
 from batchrun.ledger import ClaimedItem, ItemResult
 from batchrun.limiter import estimate_split
@@ -23,16 +24,14 @@ from batchrun.progress import JobLog, input_summary
 from batchrun.retrying import RetryPolicy
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.structured import AnswerPlan, Outcome, OutputRules
-from batchrun.throttle import Throttle
 
 
 class Sender:
     def __init__(
         self,
-        backend: Backend,
+        fleet: Fleet,
         *,
         policy: RetryPolicy,
-        throttle: Throttle,
         rules: OutputRules,
         defaults: dict[str, Any],
         log: JobLog,
@@ -40,11 +39,13 @@ class Sender:
         settings: RunnerSettings,
         on_fatal: Callable[[FatalError], None],
     ) -> None:
-        self.backend = backend
+        self.fleet = fleet
         self.policy = policy
-        self.throttle = throttle
         self.rules = rules
-        self.defaults = defaults
+        # With several endpoints each adds its own model at send time (a line's own wins).
+        self.defaults = (
+            defaults if fleet.only else {k: v for k, v in defaults.items() if k != "model"}
+        )
         self.log = log
         self.stats = stats
         self.settings = settings
@@ -58,9 +59,13 @@ class Sender:
         attempts = tries = 0
         refusal: str | None = None  # a 400 to the guided request, until unguided succeeds
         guided = False  # whether the latest request carried response_format
+        fleet = self.fleet
+        lane = fleet.lanes[0]  # the latest request's endpoint
 
         def log_attempt(status: str, **fields: Any) -> None:
             number = item.attempts + attempts
+            if fleet.only is None:
+                fields["endpoint"] = lane.name
             self.log.attempt(
                 item_id=item.item_id,
                 line=item.line,
@@ -72,24 +77,28 @@ class Sender:
             )
 
         async def attempt() -> Completion:
-            nonlocal attempts, tries, guided
+            nonlocal attempts, tries, guided, lane
             attempts += 1
             tries += 1
             guided = plan.guided
-            request = CompletionRequest(item.endpoint, plan.request())
+            lane = fleet.only or await fleet.pick(item.line, item.group)
+            request = CompletionRequest(item.endpoint, self._body(plan.request(), lane, item))
             prompt, most = estimate_split(request.body)
-            async with self.throttle.slot(prompt + most, prompt_tokens=prompt) as slot:
+            taken = lane is not fleet.only
+            async with lane.throttle.slot(prompt + most, prompt_tokens=prompt, taken=taken) as slot:
                 # Counted when sent (every request sent gets its attempt line); a retry is the
                 # same request again (repairs are new requests, not retries).
                 self.stats.requests += 1
                 if tries > 1:
                     self.stats.retries += 1
                 try:
-                    completion = await self.backend.complete(request, watch=slot)
+                    completion = await lane.backend.complete(request, watch=slot)
                 except RequestError as exc:
                     slot.failed(exc)
                     kind = type(exc).__name__
                     log_attempt("error", http_status=exc.status, error_kind=kind, error=str(exc))
+                    if isinstance(exc, FatalError) and fleet.take_out(lane, exc):
+                        raise Rerouted(f"{lane.name} left the job: {exc}") from None
                     raise
                 except anyio.get_cancelled_exc_class():  # a second Ctrl-C: stopped unanswered
                     log_attempt("cancelled", error="the run was stopped before the answer came")
@@ -122,16 +131,20 @@ class Sender:
                     continue
                 kept = plan.give_up(str(exc))  # a failed follow-up leaves the answer it had
                 if kept is not None and plan.last is not None:
-                    return self._result(item, attempts, plan.last, kept, plan)
+                    return self._result(item, attempts, plan.last, kept, plan, lane)
                 return ItemResult(
-                    line=item.line, status="failed", attempts=attempts, error=str(exc)
+                    line=item.line,
+                    status="failed",
+                    attempts=attempts,
+                    error=str(exc),
+                    answered_by=lane.name,
                 )
             if refusal is not None:
                 self._refused(plan, refusal)
                 refusal = None
             outcome = plan.judge(completion)
             if outcome is not None:
-                return self._result(item, attempts, completion, outcome, plan)
+                return self._result(item, attempts, completion, outcome, plan, lane)
 
     def _refused(self, plan: AnswerPlan, error: str) -> None:
         """The server took the request without response_format after a 400 with it: that
@@ -141,8 +154,21 @@ class Sender:
             self.stats.guided_refused = self.stats.guided_refused or error
             self.log.event("guided_refused", error=error)
 
+    def _body(self, body: dict[str, Any], lane: Lane, item: ClaimedItem) -> dict[str, Any]:
+        """The request's body for `lane`: its model, with several endpoints."""
+        model = lane.route.spec.model
+        if self.fleet.only is None and model and "model" not in item.body:
+            return {**body, "model": model}
+        return body
+
     def _result(
-        self, item: ClaimedItem, attempts: int, c: Completion, outcome: Outcome, plan: AnswerPlan
+        self,
+        item: ClaimedItem,
+        attempts: int,
+        c: Completion,
+        outcome: Outcome,
+        plan: AnswerPlan,
+        lane: Lane,
     ) -> ItemResult:
         self.stats.output_tokens += plan.usage[1] or 0
         self.stats.repairs += plan.repairs
@@ -162,6 +188,8 @@ class Sender:
             repairs=plan.repairs,
             repair_prompt_tokens=plan.repair_prompt_tokens,
             repair_completion_tokens=plan.repair_completion_tokens,
+            answered_by=lane.name,
+            answer_spec=lane.answer_spec,
         )
 
 

@@ -59,6 +59,9 @@ class Throttle:
         self._on_change = on_change
         self._slots = anyio.CapacityLimiter(controller.admitted if controller else fixed)
         pacer.in_flight = self.limit
+        # Told when a slot comes free or the limit rises: a Fleet (several endpoints) wakes
+        # a request waiting for any endpoint's slot.
+        self.on_room: Callable[[], None] | None = None
 
     @classmethod
     def for_pacing(
@@ -86,11 +89,21 @@ class Throttle:
         """The concurrency limit (the slots open now may be fewer: controller.admitted)."""
         return self.controller.limit if self.controller else int(self._slots.total_tokens)
 
-    def slot(self, estimated_tokens: int, *, prompt_tokens: int = 0) -> Slot:
+    def slot(self, estimated_tokens: int, *, prompt_tokens: int = 0, taken: bool = False) -> Slot:
         """`async with throttle.slot(n) as slot`: wait for a free slot and the pacer's go
         (and the budget's, with one: BudgetReached when this request would pass it), then
-        hold the slot while the request runs. `prompt_tokens`: the estimate's prompt part."""
-        return Slot(self, estimated_tokens, prompt_tokens)
+        hold the slot while the request runs. `prompt_tokens`: the estimate's prompt part;
+        `taken`: the slot was taken already (`take`)."""
+        return Slot(self, estimated_tokens, prompt_tokens, taken)
+
+    def take(self) -> bool:
+        """Take a free slot now, for a `slot(..., taken=True)` by the same task; False when
+        none is free."""
+        try:
+            self._slots.acquire_nowait()
+        except anyio.WouldBlock:
+            return False
+        return True
 
     async def watch_server(self, read: Callable[[], Awaitable[ServerLoad | None]]) -> bool:
         """Feed the server's own running/waiting counts to the controller until cancelled.
@@ -113,8 +126,12 @@ class Throttle:
     def _apply(self, change: Change | None) -> None:
         """Bring the slots in line with the controller (it may move without reporting)."""
         assert self.controller is not None
-        if self.controller.admitted != self._slots.total_tokens:
+        grown = self.controller.admitted - int(self._slots.total_tokens)
+        if grown:
             self._slots.total_tokens = self.controller.admitted
+        if grown > 0 and self.on_room is not None:
+            for _ in range(grown):
+                self.on_room()
         self.pacer.in_flight = self.controller.limit
         if self.controller.pause_until > self.pacer.pause_until:
             self.pacer.pause(self.controller.pause_until)
@@ -125,8 +142,11 @@ class Throttle:
 class Slot:
     """One request on the wire: what it saw, reported once (a backends.base.Watch)."""
 
-    def __init__(self, throttle: Throttle, estimated_tokens: int, prompt_tokens: int) -> None:
+    def __init__(
+        self, throttle: Throttle, estimated_tokens: int, prompt_tokens: int, taken: bool
+    ) -> None:
         self._throttle = throttle
+        self._taken = taken
         self._estimate = estimated_tokens
         self._split = (prompt_tokens, max(0, estimated_tokens - prompt_tokens))
         self._held = False  # its estimate held by the budget
@@ -136,9 +156,7 @@ class Slot:
 
     async def __aenter__(self) -> Slot:
         t = self._throttle
-        try:  # a free slot is taken without a trip through the event loop
-            t._slots.acquire_nowait()
-        except anyio.WouldBlock:
+        if not self._taken and not t.take():  # a free one without a trip through the loop
             await t._slots.acquire()
         try:
             wait = t.pacer.wait(t.clock(), self._estimate)
@@ -149,6 +167,8 @@ class Slot:
                 self._held = True
         except BaseException:
             t._slots.release()
+            if t.on_room is not None:
+                t.on_room()
             raise
         t.in_flight += 1
         self.sent_in_flight = t.in_flight
@@ -161,6 +181,8 @@ class Slot:
         t._slots.release()
         if self._held and t.budget is not None:
             t.budget.settle(*self._split, self._used)
+        if t.on_room is not None:
+            t.on_room()
 
     def accepted(self) -> None:
         t = self._throttle

@@ -10,7 +10,7 @@ import httpx
 
 Transport = httpx.AsyncBaseTransport  # what tests and --backend sim inject instead of sockets
 
-# How a server takes its API key: a preset names one (config.Preset.auth). A new style is one
+# How a server takes its API key: a preset names one (presets.Preset.auth). A new style is one
 # entry here.
 AUTH_STYLES: dict[str, Callable[[str], dict[str, str]]] = {
     "bearer": lambda key: {"authorization": f"Bearer {key}"},  # OpenAI and most servers

@@ -19,7 +19,7 @@ from batchrun.sim.json_answers import JSON_STYLES
 
 SIM_DEFAULTS: dict[str, Any] = {"ttft_ms": 20.0, "tpot_ms": 1.0}
 
-# The protocols a preset may speak (config.Preset.protocol), each a Backend; one so far.
+# The protocols a preset may speak (presets.Preset.protocol), each a Backend; one so far.
 BACKENDS: dict[str, type[OpenAICompatBackend]] = {"openai": OpenAICompatBackend}
 
 

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from batchrun import endpoints
 from batchrun.backends import Transport
 from batchrun.backends.build import build_backend
 from batchrun.bench import plots, report
@@ -29,21 +30,13 @@ class Endpoint:
 
 
 def parse_endpoint(text: str, resolve_spec: Callable[[dict[str, Any]], RunSpec]) -> Endpoint:
-    """NAME=URL[,model=M][,key=VAR][,backend=PRESET]."""
-    name, sep, rest = text.partition("=")
-    if not sep or not name.strip() or not rest.strip():
-        raise UsageError(f"--endpoint {text!r}: write NAME=URL[,model=M][,key=VAR][,backend=B]")
-    url, *extras = rest.split(",")
-    options: dict[str, Any] = {"base_url": url.strip()}
-    names = {"model": "model", "key": "api_key_env", "backend": "backend"}
-    for extra in extras:
-        key, sep, value = extra.partition("=")
-        if not sep or key.strip() not in names:
-            raise UsageError(
-                f"--endpoint {text!r}: unknown part {extra!r} (model=, key=, backend=)"
-            )
-        options[names[key.strip()]] = value.strip()
-    return Endpoint(name.strip(), resolve_spec(options))
+    """NAME=URL[,model=M][,key=VAR][,backend=PRESET] (see endpoints.py; bench measures one
+    endpoint at a time, so weight and pacing parts have no meaning here)."""
+    e = endpoints.parse_endpoint(text)
+    if e.weight != 1.0 or e.rpm is not None or e.tpm is not None:
+        raise UsageError(f"--endpoint {e.name}: bench takes model=, key= and backend= only")
+    options = {"base_url": e.url, "model": e.model, "api_key_env": e.key, "backend": e.backend}
+    return Endpoint(e.name, resolve_spec({k: v for k, v in options.items() if v is not None}))
 
 
 async def run_bench(

@@ -15,6 +15,7 @@ from sqlalchemy.exc import IntegrityError
 
 from batchrun.ledger.records import BadLine, InputItem
 from batchrun.ledger.schema import items
+from batchrun.prefixes import Grouper, in_input_order
 
 BATCH_ROWS = 5000
 COLUMNS = (
@@ -30,6 +31,7 @@ COLUMNS = (
     "error",
     "created_at",
     "updated_at",
+    "sched",
 )
 _LINE, _ITEM_ID, _STATUS, _ERROR = (
     COLUMNS.index(c) for c in ("line", "item_id", "status", "error")
@@ -50,6 +52,7 @@ class Loader:
         self.accepted = 0
         self.rejected = 0
         self._batch: list[Row] = []
+        self.grouper = Grouper()  # claim positions: long shared prefixes together
         compiled = items.insert().compile(dialect=conn.dialect, column_keys=list(COLUMNS))
         self._sql = str(compiled)
         order = compiled.positiontup if compiled.positional else None
@@ -78,6 +81,7 @@ class Loader:
                     None,
                     self.now,
                     self.now,
+                    self.grouper.position(entry.line, entry.prefix),
                 )
             )
         if len(self._batch) >= BATCH_ROWS:
@@ -133,4 +137,5 @@ class Loader:
     def _rejected(self, line: int, reason: str) -> Row:
         """A rejected line's row: no id (see outputs), no request; its reason as its error."""
         now = self.now
-        return (self.job, line, "", "", "null", "", None, "rejected", 0, reason, now, now)
+        sched = in_input_order(line)
+        return (self.job, line, "", "", "null", "", None, "rejected", 0, reason, now, now, sched)

@@ -28,6 +28,7 @@ from batchrun.ledger.schema import (
     items,
     items_id_unique,
     items_reuse,
+    items_sched,
     jobs,
     schema_migrations,
     waits,
@@ -77,12 +78,29 @@ def _v5_reuse(conn: Connection) -> None:
     waits.create(conn, checkfirst=True)
 
 
+def _v6_endpoints_and_order(conn: Connection) -> None:
+    have = {c["name"] for c in inspect(conn).get_columns("items")}
+    if "answered_by" not in have:
+        conn.execute(text("ALTER TABLE items ADD COLUMN answered_by VARCHAR(200)"))
+    if "sched" not in have:
+        conn.execute(text("ALTER TABLE items ADD COLUMN sched BIGINT"))
+        conn.execute(text("UPDATE items SET sched = line * 4294967296 + line"))  # input order
+    if "endpoints" not in {c["name"] for c in inspect(conn).get_columns("workers")}:
+        conn.execute(text("ALTER TABLE workers ADD COLUMN endpoints TEXT"))
+    items_sched.create(conn, checkfirst=True)
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "initial jobs and items", _v1_initial),
     (2, "jobs.limit_history for --concurrency auto", _v2_limit_history),
     (3, "items.repairs and repair token counts for --repair-attempts", _v3_repair_costs),
     (4, "workers: several processes on one job", _v4_workers),
     (5, "items: answer_spec, reused_job/line, dup_of; waits: for reuse and dedup", _v5_reuse),
+    (
+        6,
+        "items.answered_by and sched, workers.endpoints: endpoints, prefix order",
+        _v6_endpoints_and_order,
+    ),
 ]
 
 

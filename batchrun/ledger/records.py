@@ -15,6 +15,7 @@ class InputItem(NamedTuple):
     body: bytes  # the line's own request fields, JSON as stored; job defaults come at send time
     digest: str  # sha256 of the canonical request: job defaults + line fields, sorted keys
     meta: bytes | None  # extra top-level fields, JSON, handed back in the output
+    prefix: int | None = None  # its long prompt prefix's key, when grouping (prefixes.py)
 
 
 class BadLine(NamedTuple):
@@ -51,6 +52,8 @@ class ClaimedItem:
     body: dict[str, Any]  # the line's own request fields
     digest: str
     attempts: int
+    group: int | None = None  # its prefix group (the group's first line), if it has one
+    sched: int = 0  # its place in the claim order
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,8 @@ class ItemResult:
     repairs: int = 0  # follow-up requests that showed an invalid answer its error
     repair_prompt_tokens: int = 0
     repair_completion_tokens: int = 0
+    answered_by: str | None = None  # the endpoint of its last request
+    answer_spec: str | None = None  # the answer options it was made under (reuse.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,10 +103,13 @@ class StoredItem:
     updated_at: float
     reused_job: str | None = None  # the earlier job whose answer this line reused
     reused_line: int | None = None
+    answered_by: str | None = None  # the endpoint that answered it
 
 
 @dataclass(frozen=True)
 class IngestReport:
     accepted: int
     rejected: int
+    groups: int = 0  # prompt prefixes shared by two lines or more (prefixes.py)
+    grouped: int = 0  # lines in those groups
     blank_lines: list[int] = field(default_factory=list)

@@ -39,6 +39,7 @@ COPIED = (
     "latency_ms",
     "ttft_ms",
     "error",
+    "answered_by",
 )
 
 

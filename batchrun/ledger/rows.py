@@ -10,6 +10,7 @@ from sqlalchemy import Row, RowMapping
 
 from batchrun.ledger.records import ClaimedItem, Job, StoredItem
 from batchrun.ledger.schema import items
+from batchrun.prefixes import LINE_BITS
 
 
 def as_json(value: Any) -> str:
@@ -38,6 +39,9 @@ def stored_of(row: RowMapping) -> StoredItem:
 
 
 def claimed_of(row: Row[Any]) -> ClaimedItem:
-    """A claimed row (line, item_id, endpoint, body, digest, attempts), its body parsed."""
-    line, item_id, endpoint, body, digest, attempts = tuple(row)
-    return ClaimedItem(line, item_id, endpoint, orjson.loads(body), digest, attempts)
+    """A claimed row (line, item_id, endpoint, body, digest, attempts, sched), its body
+    parsed and its prefix group (the group's first line) read from its place in the order."""
+    line, item_id, endpoint, body, digest, attempts, sched = tuple(row)
+    lead = sched >> LINE_BITS
+    group = lead if lead != line else None
+    return ClaimedItem(line, item_id, endpoint, orjson.loads(body), digest, attempts, group, sched)

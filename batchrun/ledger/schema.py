@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sqlalchemy import (
+    BigInteger,
     Column,
     Float,
     Index,
@@ -62,6 +63,7 @@ workers = Table(
     Column("stopped_at", Float),
     Column("recorded", Integer, nullable=False, server_default="0"),  # results it committed
     Column("requests", Integer, nullable=False, server_default="0"),
+    Column("endpoints", Text),  # per endpoint: state, answered, errors, limit (migration 6)
 )
 
 items = Table(
@@ -99,6 +101,12 @@ items = Table(
     Column("reused_job", String(200)),
     Column("reused_line", Integer),
     Column("dup_of", Integer),
+    # Several endpoints and prefix order (migration 6): the endpoint of the item's last
+    # request, and where it comes in the claim order: (first line of its prefix group << 32)
+    # | line, so lines sharing a long prompt prefix are claimed together (`line << 32 | line`
+    # without a group, or with --order input: input order).
+    Column("answered_by", String(200)),
+    Column("sched", BigInteger),
     # Rows live in (job, line) order in the primary-key B-tree itself: one B-tree fewer to
     # maintain on ingest, and claims walk it as a range scan.
     sqlite_with_rowid=False,
@@ -113,6 +121,15 @@ items_id_unique = Index(
     unique=True,
     sqlite_where=text("status != 'rejected'"),
     postgresql_where=text("status != 'rejected'"),
+)
+
+# Claims walk the pending items in claim order (partial: an item leaves it when claimed).
+items_sched = Index(
+    "ix_items_sched",
+    items.c.job,
+    items.c.sched,
+    sqlite_where=text("status = 'pending'"),
+    postgresql_where=text("status = 'pending'"),
 )
 
 # Reuse lookups: an earlier done result with the same request and answer options.

@@ -31,7 +31,7 @@ from batchrun.ledger.records import (
     LimitMove,
     StoredItem,
 )
-from batchrun.ledger.rows import STORED_COLUMNS, as_json, claimed_of, job_of, stored_of
+from batchrun.ledger.rows import STORED_COLUMNS, as_json, job_of, stored_of
 from batchrun.ledger.schema import STATUSES, items, jobs
 from batchrun.ledger.workers import Worker
 
@@ -131,7 +131,8 @@ class Ledger:
                 .where(jobs.c.name == name)
                 .values(total=accepted + rejected, input_digest=digest)
             )
-        return IngestReport(accepted=accepted, rejected=rejected)
+        groups = loader.grouper
+        return IngestReport(accepted, rejected, groups=groups.groups, grouped=groups.grouped)
 
     # --- workers: the processes that run the job together (workers.py) -----------------------
 
@@ -166,10 +167,11 @@ class Ledger:
         lease_ttl: float,
         progress: tuple[int, int] = (0, 0),
         limits: list[LimitMove] | None = None,
+        endpoints: dict[str, Any] | None = None,
     ) -> int:
         """The worker is alive (its leases renewed, its results and requests counted, the
-        adaptive limit's history noted); leases of workers that are gone are reclaimed: how
-        many items went back to pending."""
+        adaptive limit's history and its endpoints' states noted); leases of workers that
+        are gone are reclaimed: how many items went back to pending."""
         with self._write("renewing leases") as conn:
             workers.lock_job(conn, name)
             if limits:
@@ -177,6 +179,7 @@ class Ledger:
                     update(jobs).where(jobs.c.name == name).values(limit_history=as_json(limits))
                 )
             workers.beat(conn, name, worker, lease_ttl=lease_ttl, progress=progress)
+            workers.note_endpoints(conn, worker, endpoints)
             return workers.reclaim(conn, name, worker, ttl=lease_ttl)
 
     def release(
@@ -186,6 +189,7 @@ class Ledger:
         *,
         progress: tuple[int, int] = (0, 0),
         limits: list[LimitMove] | None = None,
+        endpoints: dict[str, Any] | None = None,
     ) -> int:
         """The worker leaves: its unfinished claims go back to pending. Returns how many."""
         with self._write("releasing the job") as conn:
@@ -194,6 +198,7 @@ class Ledger:
                 conn.execute(
                     update(jobs).where(jobs.c.name == name).values(limit_history=as_json(limits))
                 )
+            workers.note_endpoints(conn, worker, endpoints)
             return workers.leave(conn, name, worker, progress=progress)
 
     def put_back_strays(self, name: str, worker: str, held: set[int]) -> int:
@@ -220,47 +225,16 @@ class Ledger:
     # --- items ------------------------------------------------------------------------------
 
     def claim(
-        self, name: str, owner: str, limit: int, *, lease_ttl: float, after_line: int = 0
+        self, name: str, owner: str, limit: int, *, lease_ttl: float, after: int = -1
     ) -> list[ClaimedItem]:
-        """Lease up to `limit` pending items after `after_line`, lowest line first.
+        """Lease up to `limit` pending items placed after `after` in the claim order (see
+        prefixes.py: input order, with lines that share a long prompt prefix together).
 
-        A runner passes the last line it claimed, so each claim is a short range scan of the
-        primary key instead of a walk over every finished item before it.
+        A runner passes the last place it claimed, so each claim is a short range scan of the
+        pending items' index instead of a walk over every finished item before it.
         """
-        claimable = self.dialect.claimable(
-            select(items.c.line)
-            .where(items.c.job == name, items.c.line > after_line, items.c.status == "pending")
-            .where(items.c.dup_of.is_(None))  # a duplicate waits for its first line's answer
-            .order_by(items.c.line)
-            .limit(limit)
-        )
-        stmt = (
-            update(items)
-            # status again here: PostgreSQL re-checks only the outer WHERE after a row lock
-            .where(
-                items.c.job == name,
-                items.c.line.in_(select(claimable.c.line)),
-                items.c.status == "pending",
-            )
-            .values(
-                status="running",
-                owner=owner,
-                lease_expires=bindparam("expires"),
-                updated_at=bindparam("now"),
-            )
-            .returning(
-                items.c.line,
-                items.c.item_id,
-                items.c.endpoint,
-                items.c.body,
-                items.c.digest,
-                items.c.attempts,
-            )
-        )
         with self._write("claiming items") as conn:
-            now = workers.db_now(conn)  # leases in the database's time, for every host alike
-            rows = conn.execute(stmt, {"expires": now + lease_ttl, "now": now}).all()
-        return sorted((claimed_of(row) for row in rows), key=lambda c: c.line)
+            return workers.claim(conn, name, owner, limit, lease_ttl=lease_ttl, after=after)
 
     def record(
         self, name: str, owner: str, results: list[ItemResult], *, answer_spec: str | None = None
@@ -288,7 +262,8 @@ class Ledger:
                 owner=None,
                 lease_expires=None,
                 updated_at=now,
-                answer_spec=answer_spec,
+                answer_spec=bindparam("b_answer_spec"),
+                answered_by=bindparam("b_answered_by"),
                 latency_ms=bindparam("b_latency_ms"),
                 ttft_ms=bindparam("b_ttft_ms"),
                 prompt_tokens=bindparam("b_prompt_tokens"),
@@ -305,6 +280,8 @@ class Ledger:
             )
         )
         params = [{f"b_{k}": getattr(r, k) for k in ItemResult.__slots__} for r in results]
+        for p in params:
+            p["b_answer_spec"] = p["b_answer_spec"] or answer_spec
         with self._write("recording results") as conn:
             changed = int(conn.execute(stmt, params).rowcount)
             reuse.fan_out(conn, name, results, now)

@@ -20,10 +20,23 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from sqlalchemy import Connection, and_, exists, func, or_, select, update
+from sqlalchemy import (
+    Connection,
+    and_,
+    bindparam,
+    exists,
+    func,
+    literal_column,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.sql.elements import ColumnElement
 
 from batchrun.errors import OptionError
 from batchrun.ledger.dialect import dialect_of
+from batchrun.ledger.records import ClaimedItem
+from batchrun.ledger.rows import claimed_of
 from batchrun.ledger.schema import items, jobs, workers
 
 
@@ -40,6 +53,7 @@ class Worker:
     stopped_at: float | None
     recorded: int
     requests: int
+    endpoints: dict[str, Any] | None = None  # name -> state, answered, errors, limit, reason
 
     def alive(self, now: float, ttl: float) -> bool:
         """Running, by the evidence: not stopped, a recent heartbeat, and (where its pid means
@@ -124,6 +138,55 @@ def beat(
     )
 
 
+def claim(
+    conn: Connection, name: str, owner: str, limit: int, *, lease_ttl: float, after: int
+) -> list[ClaimedItem]:
+    """Ledger.claim's query: the next pending items in claim order, leased to `owner`."""
+    # a literal, not a parameter: SQLite then uses the partial index of pending items
+    pending: ColumnElement[str] = literal_column("'pending'")
+    claimable = dialect_of(conn).claimable(
+        select(items.c.line)
+        .where(items.c.job == name, items.c.sched > after, items.c.status == pending)
+        .where(items.c.dup_of.is_(None))  # a duplicate waits for its first line's answer
+        .order_by(items.c.sched)
+        .limit(limit)
+    )
+    stmt = (
+        update(items)
+        # status again here: PostgreSQL re-checks only the outer WHERE after a row lock
+        .where(
+            items.c.job == name,
+            items.c.line.in_(select(claimable.c.line)),
+            items.c.status == "pending",
+        )
+        .values(
+            status="running",
+            owner=owner,
+            lease_expires=bindparam("expires"),
+            updated_at=bindparam("now"),
+        )
+        .returning(
+            items.c.line,
+            items.c.item_id,
+            items.c.endpoint,
+            items.c.body,
+            items.c.digest,
+            items.c.attempts,
+            items.c.sched,
+        )
+    )
+    now = db_now(conn)  # leases in the database's time, for every host alike
+    rows = conn.execute(stmt, {"expires": now + lease_ttl, "now": now}).all()
+    return sorted((claimed_of(row) for row in rows), key=lambda c: c.sched)
+
+
+def note_endpoints(conn: Connection, worker: str, endpoints: dict[str, Any] | None) -> None:
+    """Its endpoints as it sees them (state, answered, errors, limit), for `status`."""
+    if endpoints:
+        value = orjson.dumps(endpoints).decode()
+        conn.execute(update(workers).where(workers.c.id == worker).values(endpoints=value))
+
+
 def leave(conn: Connection, name: str, worker: str, *, progress: tuple[int, int]) -> int:
     """The worker stops: its unfinished claims go back to pending; how many."""
     now = db_now(conn)
@@ -182,11 +245,15 @@ def listed(conn: Connection, name: str, *, live: bool = False) -> list[Worker]:
         workers.c.stopped_at,
         workers.c.recorded,
         workers.c.requests,
+        workers.c.endpoints,
     ).where(workers.c.job == name)
     if live:
         query = query.where(workers.c.stopped_at.is_(None))
     rows = conn.execute(query.order_by(workers.c.started_at)).all()
-    return [Worker(*row) for row in rows]
+    return [
+        Worker(**{**row._mapping, "endpoints": orjson.loads(row.endpoints or "null")})
+        for row in rows
+    ]
 
 
 def pid_alive(pid: int) -> bool:

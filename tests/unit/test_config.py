@@ -10,8 +10,9 @@ import orjson
 import pytest
 
 from batchrun.cli_errors import flag
-from batchrun.config import PRESETS, RunSpec, load_spec_file, preset_for, resolve
+from batchrun.config import RunSpec, load_spec_file, preset_for, resolve
 from batchrun.errors import OptionError, UsageError
+from batchrun.presets import PRESETS
 
 KEY_VARS = (
     "VLLM_API_KEY",

@@ -486,7 +486,7 @@ def test_migrations_bring_an_older_ledger_up_to_date(tmp_path: Path) -> None:
     )
     conn.close()
     engine = make_engine(f"sqlite:///{db}")
-    assert migrate(engine) == 4  # v2, v3, v4 and v5 ran
+    assert migrate(engine) == 5  # v2 to v6 ran
     assert "limit_history" in {c["name"] for c in inspect(engine).get_columns("jobs")}
     assert {
         "repairs",
@@ -496,8 +496,12 @@ def test_migrations_bring_an_older_ledger_up_to_date(tmp_path: Path) -> None:
         "reused_job",
         "reused_line",
         "dup_of",
+        "answered_by",
+        "sched",
     } <= {c["name"] for c in inspect(engine).get_columns("items")}
-    assert "ix_items_reuse" in {i["name"] for i in inspect(engine).get_indexes("items")}
+    assert {"ix_items_reuse", "ix_items_sched"} <= {
+        i["name"] for i in inspect(engine).get_indexes("items")
+    }
     assert "waits" in inspect(engine).get_table_names()
     assert migrate(engine) == 0
     ledger = Ledger(f"sqlite:///{db}")

@@ -26,6 +26,7 @@ from batchrun.jobs import Home
 from batchrun.ledger import ClaimedItem, Ledger
 from batchrun.progress import JobLog
 from batchrun.run_state import RunnerSettings, RunStats
+from batchrun.fleet import Route
 from batchrun.runner import Runner
 from batchrun.sim import SimModel, SimTransport, prompt_tag
 from tests.fakes import FakeTime
@@ -225,11 +226,12 @@ async def test_stop_request_commits_finished_work_and_releases_the_rest(tmp_path
 
     backend = OpenAICompatBackend(spec.base_url, transport=Gated(gate))
     log = JobLog(home.log_path("j"), "j")
+    spec = dataclasses.replace(spec, model="sim-1")
     runner = Runner(
         ledger,
-        backend,
+        [Route("sim", spec, backend)],
         "j",
-        dataclasses.replace(spec, model="sim-1"),
+        spec,
         log=log,
         settings=RunnerSettings(drain_timeout=0.0),
     )

@@ -348,6 +348,14 @@ def test_metrics_report_the_load_under_vllms_names() -> None:
         f"vllm:num_requests_waiting{labels} 0.0",
         "# TYPE vllm:kv_cache_usage_perc gauge",
         f"vllm:kv_cache_usage_perc{labels} 0.25",
+        "# HELP vllm:prefix_cache_queries_total "
+        "Prefix cache queries, in terms of number of queried tokens.",
+        "# TYPE vllm:prefix_cache_queries_total counter",
+        f"vllm:prefix_cache_queries_total{labels} 1.0",
+        "# HELP vllm:prefix_cache_hits_total "
+        "Prefix cache hits, in terms of number of cached tokens.",
+        "# TYPE vllm:prefix_cache_hits_total counter",
+        f"vllm:prefix_cache_hits_total{labels} 0.0",
     ]
     assert model.requests == 1  # reading the metrics is no request
 

@@ -1,0 +1,96 @@
+"""Several endpoints for one job, as the command line and spec files name them:
+
+    NAME=URL[,model=M][,key=VAR][,backend=PRESET][,weight=W][,rpm=R][,tpm=T]
+
+`key` is the NAME of the environment variable that holds the endpoint's API key (never the key:
+a job's key never goes to another endpoint's host). `weight` orders endpoints that have a free
+slot at once (the fewest requests in flight per unit of weight goes first); weight 0 makes an
+endpoint a fallback, sent to only while every weighted endpoint is down or taken out. `rpm` and
+`tpm` pace that endpoint alone (the job's --rpm/--tpm apply to each endpoint otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from batchrun.errors import UsageError
+
+SYNTAX = "NAME=URL[,model=M][,key=VAR][,backend=PRESET][,weight=W][,rpm=R][,tpm=T]"
+TEXT_PARTS = ("model", "key", "backend")
+NUMBER_PARTS = ("weight", "rpm", "tpm")
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSpec:
+    name: str
+    url: str
+    model: str | None = None
+    key: str | None = None  # the environment variable's name
+    backend: str | None = None  # a preset; "custom" when left out
+    weight: float = 1.0
+    rpm: float | None = None
+    tpm: float | None = None
+
+
+def is_endpoint(text: str) -> bool:
+    """`--endpoint` also takes the API kind (chat, completions); an endpoint has NAME=URL."""
+    return "=" in text
+
+
+def parse_endpoint(text: str) -> EndpointSpec:
+    name, sep, rest = text.partition("=")
+    if not sep or not name.strip() or not rest.strip():
+        raise UsageError(f"--endpoint {name.strip() or '?'}: write {SYNTAX}")
+    url, *extras = rest.split(",")
+    texts: dict[str, str] = {}
+    numbers: dict[str, float] = {}
+    for extra in extras:
+        key, sep, value = (part.strip() for part in extra.partition("="))
+        if not sep or key not in TEXT_PARTS + NUMBER_PARTS or not value:
+            known = ", ".join(f"{k}=" for k in TEXT_PARTS + NUMBER_PARTS)
+            # the part's name only: a value may be a key pasted in the wrong place
+            raise UsageError(f"--endpoint {name.strip()}: unknown part {key!r} ({known})")
+        if key in TEXT_PARTS:
+            texts[key] = value
+        else:
+            numbers[key] = _number(name.strip(), key, value)
+    if numbers.get("rpm") == 0 or numbers.get("tpm") == 0:
+        raise UsageError(f"--endpoint {name.strip()}: rpm and tpm must be above 0")
+    return EndpointSpec(
+        name.strip(),
+        url.strip().rstrip("/"),
+        model=texts.get("model"),
+        key=texts.get("key"),
+        backend=texts.get("backend"),
+        weight=numbers.get("weight", 1.0),
+        rpm=numbers.get("rpm"),
+        tpm=numbers.get("tpm"),
+    )
+
+
+def _number(name: str, key: str, value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or number < 0:
+        raise UsageError(f"--endpoint {name}: {key} must be a number of at least 0, got {value!r}")
+    return number
+
+
+def parse_endpoints(texts: tuple[str, ...] | list[str]) -> list[EndpointSpec]:
+    """Every endpoint of a job, checked as a set: names unique, some weight above 0."""
+    endpoints = [parse_endpoint(text) for text in texts]
+    names = [e.name for e in endpoints]
+    if len(set(names)) < len(names):
+        raise UsageError("two endpoints have the same name; name each one differently")
+    if endpoints and not any(e.weight > 0 for e in endpoints):
+        raise UsageError("every endpoint has weight 0: give at least one a weight above 0")
+    return endpoints
+
+
+def host_port(url: str) -> str:
+    """What names an endpoint given by URL alone: its host and port (never its credentials)."""
+    return urlsplit(url).netloc.rpartition("@")[2] or url

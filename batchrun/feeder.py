@@ -1,0 +1,118 @@
+"""What a worker leases: small batches of pending items, in claim order, never many more than
+its endpoints can have in flight.
+
+It claims up to four times the current concurrency limit (summed over the endpoints) of items
+not yet answered, and claims again when half of that is left: a free slot finds an item
+waiting, and at the end of a job no worker sits on a backlog that another could send (with
+several workers, or after a stop). It also knows which lines this worker holds, so that after
+a lost connection the claims it never saw go back to pending.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+from batchrun.ledger import ClaimedItem, Ledger
+from batchrun.ledger_calls import LedgerCalls
+from batchrun.progress import JobLog
+from batchrun.run_state import RunnerSettings
+
+MAX_CLAIM = 256  # items per claim at most
+
+
+class Feeder:
+    def __init__(
+        self,
+        ledger: Ledger,
+        db: LedgerCalls,
+        *,
+        job: str,
+        owner: str,
+        limit: Callable[[], int],
+        settings: RunnerSettings,
+        log: JobLog,
+    ) -> None:
+        self.ledger = ledger
+        self._db = db
+        self.job = job
+        self.owner = owner
+        self._limit = limit
+        self.settings = settings
+        self.log = log
+        self.stopping = anyio.Event()
+        self.held: set[int] = set()  # lines claimed and not yet committed
+        self._unfinished = 0  # items claimed and not yet answered (in flight, queued, waiting)
+        self._room = anyio.Event()  # set when an item is answered
+
+    def answered(self) -> None:
+        """One claimed item is answered (or dropped at a stop): room for another."""
+        self._unfinished -= 1
+        self._room.set()
+
+    async def run(self, send: MemoryObjectSendStream[ClaimedItem]) -> None:
+        after = (
+            -1
+        )  # claims walk forward; what other workers put back is found by a look from the start
+        async with send:
+            while not self.stopping.is_set():
+                size = await self._claim_size()
+                if not size:
+                    return  # stopping: nothing more is claimed
+                batch = await self._claim(size, after)
+                if not batch:
+                    # what other workers put back can be behind our last claim: look from the
+                    # start once, then wait while any may come
+                    if after == -1 and not await self._more_may_come():
+                        return
+                    after = -1
+                    continue
+                after = batch[-1].sched
+                for item in batch:
+                    if self.stopping.is_set():
+                        return  # claimed but unsent items are released at the end
+                    try:  # a worker is free: no trip through the event loop
+                        send.send_nowait(item)
+                    except anyio.WouldBlock:
+                        await send.send(item)
+
+    async def _claim_size(self) -> int:
+        while True:
+            most = max(32, 4 * self._limit())
+            if self.stopping.is_set():
+                return 0
+            if self._unfinished <= most // 2:
+                return min(MAX_CLAIM, most - self._unfinished)
+            self._room = anyio.Event()
+            await self._room.wait()
+
+    async def _claim(self, size: int, after: int) -> list[ClaimedItem]:
+        outages = self._db.outages
+        batch = await self._db(
+            self.ledger.claim,
+            self.job,
+            self.owner,
+            size,
+            lease_ttl=self.settings.lease_ttl,
+            after=after,
+        )
+        self.held.update(item.line for item in batch)
+        self._unfinished += len(batch)
+        if self._db.outages != outages:
+            # A claim that the connection lost may have committed: items leased to us that
+            # no worker here holds would wait for our lease forever; they go back to pending.
+            strays = await self._db(self.ledger.put_back_strays, self.job, self.owner, self.held)
+            if strays:
+                self.log.event("strays_put_back", items=strays)
+        return batch
+
+    async def _more_may_come(self) -> bool:
+        """Nothing left to claim: wait while items are pending or held by other workers (one
+        that dies leaves them to us: the heartbeat reclaims them); False when none is."""
+        if not await self._db(self.ledger.more_may_come, self.job, self.owner):
+            return False
+        with anyio.move_on_after(min(1.0, self.settings.lease_ttl / 6)):  # then claim again
+            await self.stopping.wait()
+        return not self.stopping.is_set()

@@ -1,0 +1,308 @@
+"""The job's endpoints, each a lane with its own backend, throttle (adaptive limit, rpm/tpm) and
+outage watch; a request goes out on whichever lane has a free slot, so faster endpoints take
+more of the work.
+
+A lane is `up` (sent to), `down` (its failures say it is unreachable: it is drained, and one
+request now and then probes it, 1 s after it went down and then twice as long each time up to
+30 s; the first answer brings it back up) or `out` (a 401/403/404: its configuration is wrong,
+so it is not sent to again in this run). While another lane is up, a request that fails on an
+unreachable lane, or on one taken out, is sent again elsewhere at once and costs its item no
+attempt; the job stops only when every lane left has been down past the outage grace period
+(EndpointDown), or every lane is out (its error).
+
+Prefix groups (items sharing a long prompt prefix) keep to the lane that took their first item
+when it has a free slot, so the prefix is cached once; a free slot elsewhere is never left idle
+for the sake of that.
+
+With one endpoint the fleet stands aside: the sender takes the lane's throttle directly, and
+the lane's outage watch decides outages as it always did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any
+
+import anyio
+
+from batchrun.backends import Backend
+from batchrun.config import RunSpec
+from batchrun.errors import EndpointDown, FatalError, TransientError
+from batchrun.retrying import Clock, OutageWatch, looks_like_outage
+from batchrun.server_metrics import ServerLoad
+from batchrun.throttle import Throttle
+
+PROBE_FIRST_S = 1.0
+PROBE_MOST_S = 30.0
+AFFINITY_GROUPS = 4096  # prefix groups whose lane is remembered
+WAKE_SCAN = 16  # waiters looked at for one whose group belongs to the lane that has room
+
+
+class Rerouted(TransientError):
+    """The lane this request went to is out of the job: send it again on another one (free)."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """One endpoint as the job sends to it: its name, its spec (URL, preset, key variable,
+    model, pacing), its backend, and where its server's load can be read."""
+
+    name: str
+    spec: RunSpec
+    backend: Backend
+    weight: float = 1.0
+    server_load: Callable[[], Awaitable[ServerLoad | None]] | None = None
+
+
+@dataclass(frozen=True)
+class EndpointUse:
+    """What one endpoint did in a run, for the summary and `status`."""
+
+    name: str
+    state: str  # up | down | out
+    answered: int  # requests it answered
+    errors: int  # requests that failed on it
+    limit: int  # its concurrency limit at the end
+    reason: str = ""  # why it is down or out
+
+
+@dataclass(eq=False)
+class Lane:
+    route: Route
+    throttle: Throttle
+    outage: OutageWatch
+    answer_spec: str  # recorded with its results, for later reuse
+    state: str = "up"
+    reason: str = ""
+    answered: int = 0
+    errors: int = 0
+    probing: bool = False
+    probe_at: float = 0.0
+    probe_wait: float = PROBE_FIRST_S
+
+    @property
+    def name(self) -> str:
+        return self.route.name
+
+    @property
+    def backend(self) -> Backend:
+        return self.route.backend
+
+    def use(self) -> EndpointUse:
+        return EndpointUse(
+            self.name, self.state, self.answered, self.errors, self.throttle.limit, self.reason
+        )
+
+
+@dataclass(eq=False)
+class _Waiter:
+    group: int | None
+    event: anyio.Event = field(default_factory=anyio.Event)
+
+
+class Fleet:
+    """The lanes, and the outage rules over them (the RetryPolicy's `outage`)."""
+
+    def __init__(
+        self, lanes: list[Lane], *, clock: Clock, on_event: Callable[..., None] | None = None
+    ) -> None:
+        self.lanes = lanes
+        self.only = lanes[0] if len(lanes) == 1 else None  # one endpoint: the fast path
+        self.clock = clock
+        self.grace = lanes[0].outage.grace
+        self._on_event = on_event or (lambda _name, **_fields: None)
+        self._sent_to: dict[Hashable, Lane] = {}  # item -> the lane of its latest request
+        self._waiters: deque[_Waiter] = deque()
+        self._affinity: OrderedDict[int, Lane] = OrderedDict()
+        self._out_error: FatalError | None = None
+        if self.only is None:
+            for lane in lanes:
+                lane.throttle.on_room = functools.partial(self._room, lane)
+
+    # --- capacity ------------------------------------------------------------------------
+
+    @property
+    def limit(self) -> int:
+        """The concurrency limits of the lanes still in the job, summed."""
+        return sum(lane.throttle.limit for lane in self.lanes if lane.state != "out") or 1
+
+    @property
+    def in_flight(self) -> int:
+        return sum(lane.throttle.in_flight for lane in self.lanes)
+
+    async def pick(self, key: Hashable, group: int | None = None) -> Lane:
+        """A lane with a free slot, that slot taken for the request's `throttle.slot(...,
+        taken=True)`: the group's lane when it has room, else the least loaded for its
+        weight; waits while none has. Raises EndpointDown, or the error that took the last
+        lane out, when no lane is left to send to."""
+        while True:
+            self.check()
+            lane = self._take(group)
+            if lane is not None:
+                self._sent_to[key] = lane
+                if group is not None:
+                    self._remember(group, lane)
+                return lane
+            waiter = _Waiter(group)
+            self._waiters.append(waiter)
+            with anyio.move_on_after(self._until_due()):
+                await waiter.event.wait()
+            if not waiter.event.is_set():
+                self._waiters.remove(waiter)
+
+    def _take(self, group: int | None) -> Lane | None:
+        up = [lane for lane in self.lanes if lane.state == "up"]
+        if any(lane.route.weight > 0 for lane in up):  # weight 0: a fallback
+            up = [lane for lane in up if lane.route.weight > 0]
+        preferred = self._affinity.get(group) if group is not None else None
+        if preferred is not None and preferred in up and preferred.throttle.take():
+            return preferred
+        by_load = sorted(
+            up, key=lambda lane: (lane.throttle.in_flight + 1) / (lane.route.weight or 1)
+        )
+        for lane in by_load:
+            if lane.throttle.take():
+                return lane
+        now = self.clock()
+        for lane in self.lanes:  # a probe of a lane that is down, when one is due
+            due = lane.state == "down" and not lane.probing and now >= lane.probe_at
+            if due and lane.throttle.take():
+                lane.probing = True
+                self._on_event("endpoint_probe", endpoint=lane.name)
+                return lane
+        return None
+
+    def _until_due(self) -> float | None:
+        """How long a waiter may sleep: until the next probe is due (and the outage grace
+        is looked at again); None while no lane is down."""
+        due = [lane.probe_at for lane in self.lanes if lane.state == "down" and not lane.probing]
+        if not due:
+            return None
+        return max(0.01, min(min(due) - self.clock(), PROBE_FIRST_S))
+
+    def _room(self, lane: Lane) -> None:
+        """A slot came free on `lane` (or its limit rose): wake one waiter, the first whose
+        prefix group belongs to that lane if one is near the front."""
+        if not self._waiters:
+            return
+        for i, waiter in enumerate(islice(self._waiters, WAKE_SCAN)):
+            if waiter.group is not None and self._affinity.get(waiter.group) is lane:
+                del self._waiters[i]
+                break
+        else:
+            waiter = self._waiters.popleft()
+        waiter.event.set()
+
+    def _wake_all(self) -> None:
+        while self._waiters:
+            self._waiters.popleft().event.set()
+
+    def _remember(self, group: int, lane: Lane) -> None:
+        if self._affinity.get(group) is None or self._affinity[group].state != "up":
+            self._affinity[group] = lane
+        self._affinity.move_to_end(group)
+        if len(self._affinity) > AFFINITY_GROUPS:
+            self._affinity.popitem(last=False)
+
+    # --- outages (the RetryPolicy's view) --------------------------------------------------
+
+    def lane_of(self, key: Hashable) -> Lane:
+        return self.only or self._sent_to[key]
+
+    def success(self, key: Hashable = None) -> None:
+        lane = self.only or self._sent_to.pop(key)
+        lane.outage.success(key)
+        lane.answered += 1
+        if lane.state == "down":
+            lane.state, lane.reason, lane.probing = "up", "", False
+            self._on_event("endpoint_up", endpoint=lane.name)
+            self._wake_all()
+
+    def failure(self, exc: TransientError, key: Hashable = None) -> bool:
+        """Note a failed request; True: it costs its item no attempt."""
+        if isinstance(exc, Rerouted):
+            return True
+        lane = self.lane_of(key)
+        free = lane.outage.failure(exc, key)
+        lane.errors += 1
+        if self.only is not None:
+            return free
+        if lane.probing:
+            lane.probing = False
+            lane.probe_wait = min(PROBE_MOST_S, lane.probe_wait * 2)
+            lane.probe_at = self.clock() + lane.probe_wait
+        elif lane.state == "up" and lane.outage.down:
+            self._down(lane)
+        if free or not looks_like_outage(exc) or lane.outage.suspect(key):
+            return free
+        return any(other.state == "up" for other in self.lanes if other is not lane)
+
+    def resend_now(self, key: Hashable) -> bool:
+        """Whether the item's next try should go at once: its lane is down or out, and
+        another is up to take it."""
+        if self.only is not None:
+            return False
+        lane = self._sent_to.get(key)
+        return (
+            lane is not None
+            and lane.state != "up"
+            and any(other.state == "up" for other in self.lanes)
+        )
+
+    @property
+    def down(self) -> bool:
+        return any(lane.outage.down for lane in self.lanes)
+
+    def check(self) -> None:
+        if self.only is not None:
+            self.only.outage.check()
+            return
+        live = [lane for lane in self.lanes if lane.state != "out"]
+        if not live:
+            assert self._out_error is not None
+            raise self._out_error
+        if self.grace <= 0:
+            return
+        now = self.clock()
+        gone = [
+            lane
+            for lane in live
+            if lane.state == "down" and now - (lane.outage.down_since or now) > self.grace
+        ]
+        if len(gone) == len(live):
+            errors = "; ".join(f"{lane.name}: {lane.outage.last_error}" for lane in gone)
+            raise EndpointDown(
+                f"every endpoint unreachable for over {self.grace:g}s; last errors: {errors}"
+            )
+
+    def take_out(self, lane: Lane, error: FatalError) -> bool:
+        """A 401/403/404 from `lane`: it leaves the job. True while other lanes remain (the
+        request goes to one of them); False: it was the last, and the job stops."""
+        if self.only is not None:
+            return False
+        if lane.state != "out":
+            lane.state, lane.reason = "out", str(error)
+            self._out_error = error
+            self._on_event("endpoint_out", endpoint=lane.name, error=str(error))
+        if all(other.state == "out" for other in self.lanes):
+            return False
+        self._wake_all()
+        return True
+
+    def _down(self, lane: Lane) -> None:
+        lane.state, lane.reason = "down", lane.outage.last_error
+        lane.probe_wait = PROBE_FIRST_S
+        lane.probe_at = self.clock() + lane.probe_wait
+        self._on_event("endpoint_down", endpoint=lane.name, error=lane.reason)
+
+    def uses(self) -> list[EndpointUse]:
+        return [lane.use() for lane in self.lanes]
+
+    def describe(self) -> dict[str, Any]:
+        """Per endpoint, for the worker's row (what `status` shows)."""
+        return {u.name: dataclasses.asdict(u) for u in self.uses()}
