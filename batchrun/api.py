@@ -28,7 +28,7 @@ from batchrun import jobs as verbs
 from batchrun.config import RunOptions, RunSpec, load_spec_file
 from batchrun.errors import UsageError
 from batchrun.jobs import Home
-from batchrun.ledger import Job, Ledger, shown_url
+from batchrun.ledger import IngestReport, Job, Ledger, shown_url
 from batchrun.outputs import FORMATS, Result, result_of
 from batchrun.progress import ProgressUpdate
 from batchrun.row_input import write_rows
@@ -101,7 +101,8 @@ async def submit_async(
                 run_spec = verbs.resolve_for_job(existing, *layers, endpoint_required=run)
             else:
                 loaded, rejected = made.accepted, made.rejected
-                _say(on_message, _loaded(name, made.accepted, made.rejected, made.blank_lines))
+                _say(on_message, _loaded(name, made))
+                verbs.note_loaded(where, name, made)
         if existing is not None:
             if not await anyio.to_thread.run_sync(verbs.same_input, existing, path):
                 raise UsageError(
@@ -377,10 +378,16 @@ def _say(on_message: OnMessage | None, message: str) -> None:
         on_message(message)
 
 
-def _loaded(name: str, accepted: int, rejected: int, blank: list[int]) -> str:
-    skipped = f", {rejected} rejected" if rejected else ""
-    blanks = f", {len(blank)} blank line(s) skipped" if blank else ""
-    return f"job {name}: loaded {accepted} items{skipped}{blanks}"
+def _loaded(name: str, made: IngestReport) -> str:
+    skipped = f", {made.rejected} rejected" if made.rejected else ""
+    blanks = f", {len(made.blank_lines)} blank line(s) skipped" if made.blank_lines else ""
+    groups = ""
+    if made.groups:
+        groups = (
+            f"; {made.groups} prefix group(s) ({made.grouped} lines sharing a long prompt "
+            "prefix) go out together"
+        )
+    return f"job {name}: loaded {made.accepted} items{skipped}{blanks}{groups}"
 
 
 def _left(led: Ledger, name: str, run: bool) -> str:

@@ -22,6 +22,8 @@ from batchrun.cli_report import ProgressBar, exit_code, summary_line
 from batchrun.cli_sim import sim
 from batchrun.config import resolve
 from batchrun.doctor import diagnose, ready, render
+from batchrun.endpoints import is_endpoint
+from batchrun.errors import UsageError
 from batchrun.outputs import FORMATS
 from batchrun.presets import PRESETS
 from batchrun.status_view import render_detail, render_table
@@ -83,7 +85,19 @@ RUN_OPTIONS: list[Callable[[F], F]] = [
     click.option("--base-url", help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1."),
     click.option("--model", help="Model name [default: the first one the server lists]."),
     click.option("--api-key-env", help="NAME of the environment variable holding the API key."),
-    click.option("--endpoint", type=click.Choice(["chat", "completions"]), help="[default: chat]"),
+    click.option(
+        "--endpoint",
+        multiple=True,
+        metavar="chat|completions|NAME=URL[,...]",
+        help="The API (chat or completions) [chat]; or, repeated, several endpoints for one job: "
+        "NAME=URL[,model=M][,key=VAR][,backend=PRESET][,weight=W][,rpm=R][,tpm=T].",
+    ),
+    click.option(
+        "--order",
+        type=click.Choice(["prefix", "input"]),
+        help="Claim order, fixed when the file is loaded: lines sharing a long prompt prefix "
+        "together (prefix), or input order [prefix]. Results are in input order either way.",
+    ),
     click.option("--stream/--no-stream", default=None, help="Stream responses [default: on]."),
     click.option(
         "--concurrency",
@@ -180,8 +194,18 @@ def run_options(fn: F) -> F:
 
 
 def _run_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The options given (click passes None for the ones left out)."""
-    return {key: value for key, value in options.items() if value is not None}
+    """The options given (click passes None for the ones left out); `--endpoint` is the API
+    kind (chat, completions) or, with NAME=URL, one of several endpoints."""
+    given = {key: value for key, value in options.items() if value is not None}
+    values = given.pop("endpoint", ())
+    kinds = [value for value in values if not is_endpoint(value)]
+    if len(kinds) > 1:
+        raise UsageError("--endpoint chat|completions given twice")
+    if kinds:
+        given["endpoint"] = kinds[0]
+    if len(kinds) < len(values):
+        given["endpoints"] = [value for value in values if is_endpoint(value)]
+    return given
 
 
 def _finish(report: api.JobReport, *, quiet: bool) -> None:

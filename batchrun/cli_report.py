@@ -17,6 +17,7 @@ from batchrun.cli_errors import (
     printable,
     say,
 )
+from batchrun.fleet import EndpointUse
 from batchrun.ledger import FINAL_STATUSES
 from batchrun.progress import ProgressUpdate
 
@@ -51,6 +52,8 @@ def summary_line(report: JobReport) -> str:
         text += f", {stats.duplicates} repeated lines answered once" if stats.duplicates else ""
     if report.workers > 1:
         text += f" | {report.workers} workers"
+    if len(stats.endpoints) > 1:
+        text += " | endpoints: " + ", ".join(_endpoint_use(e) for e in stats.endpoints)
     if stats.repairs:
         text += f" | {stats.repairs} repairs ({stats.repair_tokens:,} tokens)"
     if stats.guided_refused:
@@ -62,6 +65,13 @@ def summary_line(report: JobReport) -> str:
     if report.output is not None:
         text += f" | results: {report.output}"
     return text
+
+
+def _endpoint_use(e: EndpointUse) -> str:
+    said = f"{e.name} {e.answered} answered"
+    if e.state != "up":
+        said += f" ({e.state}: {e.reason[:120]})" if e.reason else f" ({e.state})"
+    return said
 
 
 class ProgressBar:

@@ -79,6 +79,7 @@ class Lane:
     answer_spec: str  # recorded with its results, for later reuse
     state: str = "up"
     reason: str = ""
+    sent: int = 0  # requests it was picked for
     answered: int = 0
     errors: int = 0
     probing: bool = False
@@ -103,6 +104,13 @@ class Lane:
 class _Waiter:
     group: int | None
     event: anyio.Event = field(default_factory=anyio.Event)
+
+
+def _load(lane: Lane) -> tuple[float, float]:
+    """Requests in flight per unit of weight, then requests sent so far per unit of weight
+    (idle endpoints take turns)."""
+    weight = lane.route.weight or 1.0
+    return ((lane.throttle.in_flight + 1) / weight, lane.sent / weight)
 
 
 class Fleet:
@@ -144,6 +152,7 @@ class Fleet:
             self.check()
             lane = self._take(group)
             if lane is not None:
+                lane.sent += 1
                 self._sent_to[key] = lane
                 if group is not None:
                     self._remember(group, lane)
@@ -162,9 +171,7 @@ class Fleet:
         preferred = self._affinity.get(group) if group is not None else None
         if preferred is not None and preferred in up and preferred.throttle.take():
             return preferred
-        by_load = sorted(
-            up, key=lambda lane: (lane.throttle.in_flight + 1) / (lane.route.weight or 1)
-        )
+        by_load = sorted(up, key=_load)
         for lane in by_load:
             if lane.throttle.take():
                 return lane
@@ -285,6 +292,7 @@ class Fleet:
         request goes to one of them); False: it was the last, and the job stops."""
         if self.only is not None:
             return False
+        lane.errors += 1
         if lane.state != "out":
             lane.state, lane.reason = "out", str(error)
             self._out_error = error

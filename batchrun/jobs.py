@@ -82,7 +82,11 @@ def job_spec(job: Job) -> RunSpec:
 def create_job(ledger: Ledger, name: str, input_path: Path, spec: RunSpec) -> IngestReport:
     """Load the input into a new job, all or nothing (bad lines refuse it unless skipped)."""
     reader = InputReader(
-        input_path, endpoint=spec.endpoint, defaults=spec.request_defaults(), guards=spec.guards
+        input_path,
+        endpoint=spec.endpoint,
+        defaults=spec.request_defaults(),
+        guards=spec.guards,
+        prefixes=spec.order == "prefix",
     )
     report = ledger.create_job(
         name,
@@ -93,6 +97,21 @@ def create_job(ledger: Ledger, name: str, input_path: Path, spec: RunSpec) -> In
         skip_invalid=spec.skip_invalid,
     )
     return replace(report, blank_lines=reader.stats.blank_lines)
+
+
+def note_loaded(home: Home, name: str, made: IngestReport) -> None:
+    """The load, in the job's log: how many items, and the prefix groups found."""
+    log = JobLog(home.log_path(name), name)
+    try:
+        log.event(
+            "loaded",
+            items=made.accepted,
+            rejected=made.rejected,
+            prefix_groups=made.groups,
+            grouped_lines=made.grouped,
+        )
+    finally:
+        log.close()
 
 
 def create_or_join(

@@ -40,6 +40,7 @@ class Result:
     repair_prompt_tokens: int = 0
     repair_completion_tokens: int = 0
     reused_from: dict[str, Any] | None = None  # {"job", "line"} of the answer it reused
+    answered_by: str | None = None  # the endpoint that answered, in a job with several
 
     def to_json(self) -> dict[str, Any]:
         """The results file's native line."""
@@ -73,6 +74,8 @@ class Result:
         }
         if self.reused_from:  # copied from an earlier job: its usage was paid then
             record["reused_from"] = self.reused_from
+        if self.answered_by:
+            record["answered_by"] = self.answered_by
         return record
 
 
@@ -97,6 +100,7 @@ def result_of(item: StoredItem) -> Result:
         reused_from=(
             {"job": item.reused_job, "line": item.reused_line} if item.reused_job else None
         ),
+        answered_by=item.answered_by,
     )
 
 

@@ -239,7 +239,8 @@ class Runner:
     async def _run_workers(self, results_send: MemoryObjectSendStream[ItemResult]) -> None:
         # More workers than slots: an item sleeping before its retry holds no slot, and
         # another item takes its place on the wire.
-        most = self.spec.most_in_flight + max(4, self.spec.most_in_flight // 4)
+        slots = sum(route.spec.most_in_flight for route in self.routes)
+        most = slots + max(4, slots // 4)
         work_send, work_recv = anyio.create_memory_object_stream[ClaimedItem](most)
         async with anyio.create_task_group() as workers:
             self._workers_scope = workers.cancel_scope

@@ -137,7 +137,7 @@ class Sender:
                     status="failed",
                     attempts=attempts,
                     error=str(exc),
-                    answered_by=lane.name,
+                    answered_by=self._named(lane),
                 )
             if refusal is not None:
                 self._refused(plan, refusal)
@@ -153,6 +153,10 @@ class Sender:
         if self.rules.refuse(plan.schema, error):
             self.stats.guided_refused = self.stats.guided_refused or error
             self.log.event("guided_refused", error=error)
+
+    def _named(self, lane: Lane) -> str | None:
+        """The endpoint a result records: named with several (one needs no name)."""
+        return None if self.fleet.only else lane.name
 
     def _body(self, body: dict[str, Any], lane: Lane, item: ClaimedItem) -> dict[str, Any]:
         """The request's body for `lane`: its model, with several endpoints."""
@@ -188,7 +192,7 @@ class Sender:
             repairs=plan.repairs,
             repair_prompt_tokens=plan.repair_prompt_tokens,
             repair_completion_tokens=plan.repair_completion_tokens,
-            answered_by=lane.name,
+            answered_by=self._named(lane),
             answer_spec=lane.answer_spec,
         )
 

@@ -32,7 +32,9 @@ def jobs_table(ledger: Ledger) -> list[dict[str, Any]]:
 def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
     counts = ledger.counts(job.name)
     stats = ledger.item_stats(job.name)
+    answered = stats.pop("answered_by")
     spec, now, lease = job.spec, time.time(), _lease(job)
+    workers = ledger.workers(job.name)
     return {
         "job": job.name,
         "state": _state(counts, stats["attempts"], _live(ledger, job)),
@@ -46,9 +48,33 @@ def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
         "limit_history": job.limit_history,
         "created_at": job.created_at,
         "finished_at": job.finished_at,
-        "workers": [_worker(w, now, lease) for w in ledger.workers(job.name)],
+        "workers": [_worker(w, now, lease) for w in workers],
         **stats,
+        "endpoints": _endpoints(answered, workers, now, lease),
     }
+
+
+def _endpoints(
+    answered: dict[str, dict[str, int]], workers: list[Worker], now: float, lease: float
+) -> list[dict[str, Any]]:
+    """Per endpoint of a job with several: items by status (from the ledger), and its state,
+    errors, limit and rate as the live workers see it (the latest worker when none lives)."""
+    seen = [w for w in workers if w.endpoints and w.alive(now, lease)]
+    seen = seen or [w for w in workers if w.endpoints][-1:]
+    shown: dict[str, dict[str, Any]] = {}
+    for w in seen:
+        elapsed = max(w.heartbeat - w.started_at, 1e-9)
+        for name, e in (w.endpoints or {}).items():
+            one = shown.setdefault(name, {"name": name, "errors": 0, "limit": 0, "per_s": 0.0})
+            one["state"] = e["state"] if one.get("state") in (None, "up") else one["state"]
+            one["reason"] = e.get("reason") or one.get("reason", "")
+            one["errors"] += e["errors"]
+            one["limit"] += e["limit"]
+            one["per_s"] = round(one["per_s"] + e["answered"] / elapsed, 1)
+    for name, counts in answered.items():
+        shown.setdefault(name, {"name": name, "state": "-", "errors": 0, "limit": 0, "per_s": 0.0})
+        shown[name]["items"] = counts
+    return [{"items": {}, **e} for e in shown.values()]
 
 
 def _live(ledger: Ledger, job: Job) -> list[Worker]:
@@ -123,6 +149,13 @@ def render_detail(d: dict[str, Any]) -> str:
     if d["limit_history"]:
         moves = ", ".join(f"{limit} ({reason})" for _t, limit, reason in d["limit_history"][-8:])
         lines.append(f"limit      {d['concurrency']}: {moves}")
+    for e in d["endpoints"]:
+        items = ", ".join(f"{n} {s}" for s, n in e["items"].items()) or "no items yet"
+        why = f" ({e['reason'][:100]})" if e.get("reason") else ""
+        lines.append(
+            f"endpoint   {e['name']}: {e['state']}{why}, {items}, {e['per_s']} answers/s, "
+            f"{e['errors']} errors, limit {e['limit']}"
+        )
     for w in d["workers"][-8:]:  # the latest: a nightly job gains a worker a run
         lines.append(
             f"worker     {w['state']:7} pid {w['pid']} on {w['host']}: {w['recorded']} results, "

@@ -64,7 +64,21 @@ def item_stats(conn: Connection, name: str) -> dict[str, Any]:
         "repeated": int(totals[7] or 0),  # lines answered by an identical line's request
         "top_errors": errors,
         "top_invalid": invalid,
+        "answered_by": _by_endpoint(conn, name),
     }
+
+
+def _by_endpoint(conn: Connection, name: str) -> dict[str, dict[str, int]]:
+    """Items by the endpoint of their last request and their status (jobs with several)."""
+    rows = conn.execute(
+        select(items.c.answered_by, items.c.status, func.count())
+        .where(items.c.job == name, items.c.answered_by.is_not(None))
+        .group_by(items.c.answered_by, items.c.status)
+    ).all()
+    found: dict[str, dict[str, int]] = {}
+    for endpoint, status, n in rows:
+        found.setdefault(endpoint, {})[status] = int(n)
+    return found
 
 
 def _commonest_errors(conn: Connection, name: str, status: str | None) -> list[dict[str, Any]]:

@@ -1,0 +1,389 @@
+"""Several endpoints in one job: work shared, failover without spent attempts, an endpoint
+taken out on 401, fallbacks, per-endpoint status; and prefix-group claim order."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from batchrun import jobs
+from batchrun.cli_report import summary_line
+from batchrun.config import resolve
+from batchrun.endpoints import parse_endpoint, parse_endpoints
+from batchrun.errors import UsageError
+from batchrun.jobs import Home
+from batchrun.ledger import Ledger
+from batchrun.prefixes import PREFIX_CHARS, Grouper, prefix_key
+from batchrun.run_state import RunnerSettings, RunStats
+from batchrun.sim import SimConfig, SimModel, SimTransport
+from batchrun.status_view import job_detail, render_detail
+from tests.fakes import FakeTime
+from tests.unit.test_runner import report
+
+Hook = Callable[[httpx.Request, int], httpx.Response | None]
+
+
+class Hosts(httpx.AsyncBaseTransport):
+    """Each endpoint's host has its own simulator; `hooks[host](request, n)` may answer the
+    host's n-th POST instead (a Response), or raise for it (a connection refused)."""
+
+    def __init__(self, hosts: dict[str, SimConfig], hooks: dict[str, Hook] | None = None) -> None:
+        self.sims = {host: SimTransport(SimModel(config)) for host, config in hosts.items()}
+        self.hooks = hooks or {}
+        self.posts: Counter[str] = Counter()
+        self.sent: list[tuple[str, str]] = []  # (host, prompt) in the order requests came
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if request.method == "POST":
+            self.posts[host] += 1
+            prompt = json.loads(request.content)["messages"][-1]["content"]
+            self.sent.append((host, prompt))
+            hook = self.hooks.get(host)
+            answer = hook(request, self.posts[host]) if hook else None
+            if answer is not None:
+                return answer
+        return await self.sims[host].handle_async_request(request)
+
+
+def refused(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("connection refused", request=request)
+
+
+def endpoints(*names: str, extra: str = "") -> list[str]:
+    return [f"{n}=http://{n}.test/v1{extra}" for n in names]
+
+
+async def run(
+    tmp_path: Path,
+    transport: Hosts,
+    *,
+    n: int = 40,
+    lines: list[dict[str, Any]] | None = None,
+    fake: FakeTime | None = None,
+    **options: Any,
+) -> tuple[Ledger, RunStats]:
+    home = Home.at(tmp_path, None)
+    ledger = Ledger(home.ledger_url)
+    rows = lines or [{"id": f"p{i}", "prompt": f"prompt number {i}"} for i in range(n)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = resolve({"concurrency": 4, "max_attempts": 1, "model": "sim-1", **options})
+    jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
+    fake = fake or FakeTime()
+    settings = RunnerSettings(sleep=fake.sleep, clock=fake.clock, drain_timeout=0.0)
+    stats = await jobs.run_job(
+        ledger, home, "j", spec, transport=transport, settings=settings, handle_signals=False
+    )
+    jobs.finish(ledger, home, "j", spec)
+    return ledger, stats
+
+
+def read_results(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def answered_by(ledger: Ledger) -> Counter[str | None]:
+    return Counter(item.answered_by for item in ledger.iter_results("j"))
+
+
+@pytest.mark.anyio
+async def test_work_is_shared_and_each_result_names_its_endpoint(tmp_path: Path) -> None:
+    hosts = Hosts({h: SimConfig() for h in ("a.test", "b.test", "c.test")})
+    ledger, stats = await run(tmp_path, hosts, endpoints=endpoints("a", "b", "c"))
+    assert ledger.counts("j")["done"] == 40
+    by = answered_by(ledger)
+    assert set(by) == {"a", "b", "c"} and sum(by.values()) == 40
+    assert by == Counter({u.name: u.answered for u in stats.endpoints})
+    records = list(read_results(tmp_path / "outputs" / "j.jsonl"))
+    assert [r["id"] for r in records] == [f"p{i}" for i in range(40)]
+    assert {r["answered_by"] for r in records} == {"a", "b", "c"}
+    assert "endpoints: a " in summary_line(report(ledger.counts("j"), stats))
+
+
+@pytest.mark.anyio
+async def test_one_endpoint_has_no_name_in_its_results(tmp_path: Path) -> None:
+    hosts = Hosts({"a.test": SimConfig()})
+    ledger, _ = await run(tmp_path, hosts, base_url="http://a.test/v1")
+    assert answered_by(ledger) == Counter({None: 40})
+    records = list(read_results(tmp_path / "outputs" / "j.jsonl"))
+    assert "answered_by" not in records[0]
+
+
+@pytest.mark.anyio
+async def test_an_endpoint_that_dies_hands_its_items_over_without_spending_attempts(
+    tmp_path: Path,
+) -> None:
+    # max_attempts 1: a failure counted against any item would fail it
+    def dies(request: httpx.Request, n: int) -> httpx.Response | None:
+        return refused(request) if n > 5 else None
+
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, {"b.test": dies})
+    ledger, stats = await run(tmp_path, hosts, n=200, endpoints=endpoints("a", "b"))
+    assert ledger.counts("j")["done"] == 200
+    assert stats.aborted is None
+    uses = {u.name: u for u in stats.endpoints}
+    assert uses["b"].state == "down" and "refused" in uses["b"].reason
+    assert uses["b"].answered == 5 and uses["a"].answered == 195
+    assert hosts.posts["b.test"] > 5  # it failed, and was probed, and never cost an item
+
+
+@pytest.mark.anyio
+async def test_a_dead_endpoint_comes_back_after_a_probe(tmp_path: Path) -> None:
+    fake = FakeTime()
+
+    def outage(request: httpx.Request, n: int) -> httpx.Response | None:
+        return refused(request) if n in (4, 5) else None  # two items: down, then a probe
+
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, {"b.test": outage})
+    # a slow `a` keeps the job going long enough for b's probe to come due
+    hosts.sims["a.test"] = SlowSim(fake)
+    ledger, stats = await run(tmp_path, hosts, n=400, fake=fake, endpoints=endpoints("a", "b"))
+    assert ledger.counts("j")["done"] == 400
+    log = (tmp_path / "logs" / "j.log").read_text()
+    assert '"event":"endpoint_down"' in log and '"event":"endpoint_up"' in log
+    uses = {u.name: u for u in stats.endpoints}
+    assert uses["b"].state == "up" and uses["b"].answered > 3
+
+
+class SlowSim(SimTransport):
+    """A simulator whose every answer takes 0.05 s of the fake clock."""
+
+    def __init__(self, fake: FakeTime) -> None:
+        super().__init__(SimModel())
+        self.fake = fake
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            await self.fake.sleep(0.05)
+        return await super().handle_async_request(request)
+
+
+@pytest.mark.anyio
+async def test_a_401_takes_one_endpoint_out_and_the_others_finish_the_job(
+    tmp_path: Path,
+) -> None:
+    def unauthorized(request: httpx.Request, n: int) -> httpx.Response:
+        return httpx.Response(401, json={"error": {"message": "invalid api key"}})
+
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, {"b.test": unauthorized})
+    ledger, stats = await run(tmp_path, hosts, endpoints=endpoints("a", "b"))
+    assert ledger.counts("j")["done"] == 40 and stats.aborted is None
+    uses = {u.name: u for u in stats.endpoints}
+    assert uses["b"].state == "out" and "401" in uses["b"].reason
+    assert hosts.posts["b.test"] == 1  # out after its first answer
+    said = summary_line(report(ledger.counts("j"), stats))
+    assert "b 0 answered (out: " in said
+    log = (tmp_path / "logs" / "j.log").read_text()
+    assert '"event":"endpoint_out"' in log
+
+
+@pytest.mark.anyio
+async def test_when_every_endpoint_refuses_the_key_the_job_stops_with_that_error(
+    tmp_path: Path,
+) -> None:
+    def unauthorized(request: httpx.Request, n: int) -> httpx.Response:
+        return httpx.Response(401, json={"error": {"message": "invalid api key"}})
+
+    hooks = {"a.test": unauthorized, "b.test": unauthorized}
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, hooks)
+    ledger, stats = await run(tmp_path, hosts, endpoints=endpoints("a", "b"))
+    assert stats.aborted is not None and "401" in stats.aborted
+    assert ledger.counts("j")["pending"] == 40
+
+
+@pytest.mark.anyio
+async def test_the_job_stops_only_when_every_endpoint_is_down_past_the_grace(
+    tmp_path: Path,
+) -> None:
+    def down(request: httpx.Request, n: int) -> httpx.Response:
+        return refused(request)
+
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, {"a.test": down, "b.test": down})
+    home = Home.at(tmp_path, None)
+    ledger = Ledger(home.ledger_url)
+    (tmp_path / "in.jsonl").write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(20)))
+    spec = resolve(
+        {
+            "endpoints": endpoints("a", "b"),
+            "model": "sim-1",
+            "outage_timeout": 0.3,
+            "concurrency": 2,
+        }
+    )
+    jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
+    settings = RunnerSettings(drain_timeout=0.0)  # real time: probes are timed by the clock
+    stats = await jobs.run_job(ledger, home, "j", spec, transport=hosts, settings=settings)
+    assert stats.aborted is not None and "every endpoint unreachable" in stats.aborted
+    assert ledger.counts("j")["pending"] == 20  # nothing failed, nothing lost
+
+
+@pytest.mark.anyio
+async def test_a_fallback_of_weight_0_is_sent_to_only_while_the_others_are_down(
+    tmp_path: Path,
+) -> None:
+    def dies(request: httpx.Request, n: int) -> httpx.Response | None:
+        return refused(request) if n > 20 else None
+
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, {"a.test": dies})
+    names = ["a=http://a.test/v1", "b=http://b.test/v1,weight=0"]
+    ledger, stats = await run(tmp_path, hosts, n=100, endpoints=names)
+    assert ledger.counts("j")["done"] == 100
+    first = [host for host, _ in hosts.sent[:20]]
+    assert set(first) == {"a.test"}  # b waited while a was up
+    assert {u.name: u.answered for u in stats.endpoints} == {"a": 20, "b": 80}
+
+
+@pytest.mark.anyio
+async def test_status_shows_each_endpoint(tmp_path: Path) -> None:
+    def unauthorized(request: httpx.Request, n: int) -> httpx.Response:
+        return httpx.Response(401, json={"error": {"message": "invalid api key"}})
+
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, {"b.test": unauthorized})
+    ledger, _ = await run(tmp_path, hosts, endpoints=endpoints("a", "b"))
+    job = ledger.get_job("j")
+    assert job is not None
+    detail = job_detail(ledger, job)
+    shown = {e["name"]: e for e in detail["endpoints"]}
+    assert shown["a"]["items"] == {"done": 40} and shown["a"]["state"] == "up"
+    assert shown["b"]["state"] == "out" and shown["b"]["errors"] == 1
+    text = render_detail(detail)
+    assert "endpoint   a: up, 40 done" in text and "endpoint   b: out (" in text
+
+
+@pytest.mark.anyio
+async def test_each_endpoint_sends_its_own_model(tmp_path: Path) -> None:
+    hosts = Hosts({"a.test": SimConfig(models=("m-a",)), "b.test": SimConfig(models=("m-b",))})
+    names = ["a=http://a.test/v1,model=m-a", "b=http://b.test/v1"]  # b: asked of the server
+    ledger, _ = await run(tmp_path, hosts, model=None, endpoints=names)
+    assert ledger.counts("j")["done"] == 40
+
+
+# --- parsing ------------------------------------------------------------------------------
+
+
+def test_endpoint_parts_are_parsed_and_checked() -> None:
+    e = parse_endpoint("gpu1=http://10.0.0.5:8000/v1/,model=m,key=GPU_KEY,weight=2,rpm=600")
+    assert (e.name, e.url, e.model, e.key, e.weight, e.rpm) == (
+        "gpu1",
+        "http://10.0.0.5:8000/v1",
+        "m",
+        "GPU_KEY",
+        2.0,
+        600.0,
+    )
+    with pytest.raises(UsageError, match="weight must be a number"):
+        parse_endpoint("a=http://x,weight=-1")
+    with pytest.raises(UsageError, match="same name"):
+        parse_endpoints(["a=http://x", "a=http://y"])
+    with pytest.raises(UsageError, match="weight 0"):
+        parse_endpoints(["a=http://x,weight=0"])
+
+
+def test_a_key_pasted_into_an_endpoint_is_never_echoed() -> None:
+    secret = "sk-live-abcdef123456"
+    with pytest.raises(UsageError) as caught:
+        parse_endpoint(f"a=http://x,apikey={secret}")
+    assert secret not in str(caught.value)
+    with pytest.raises(UsageError) as caught:
+        resolve({"endpoints": [f"a=http://x,key={secret}"]})
+    assert secret not in str(caught.value)
+
+
+def test_one_endpoint_replaces_several_and_several_replace_one() -> None:
+    spec = resolve({"backend": "vllm"}, {"endpoints": endpoints("a", "b")})
+    assert spec.endpoints and spec.base_url == "http://a.test/v1" and spec.backend == "custom"
+    again = resolve(spec.to_json(), {"base_url": "http://c.test/v1"})
+    assert again.endpoints == () and again.base_url == "http://c.test/v1"
+
+
+# --- prefix groups ------------------------------------------------------------------------
+
+SYSTEMS = ["You are a careful extractor. " * 100, "You are a terse translator. " * 100]
+
+
+def chat(system: str, question: str) -> dict[str, Any]:
+    return {
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    }
+
+
+def test_prefix_keys_need_a_long_shared_start() -> None:
+    assert prefix_key(chat("short system prompt", "q")) is None
+    assert prefix_key({"prompt": "x" * PREFIX_CHARS}) is None  # nothing after the prefix
+    one, two = prefix_key(chat(SYSTEMS[0], "a")), prefix_key(chat(SYSTEMS[0], "b"))
+    assert one is not None and one == two
+    assert prefix_key(chat(SYSTEMS[1], "a")) != one
+    as_user = {"messages": [{"role": "user", "content": SYSTEMS[0]}]}
+    assert prefix_key(as_user) != one  # the role is part of the prefix
+
+
+def test_groups_follow_their_first_line_in_input_order() -> None:
+    grouper = Grouper()
+    keys = [1, None, 2, 1, None, 2, 1]
+    order = sorted(range(7), key=lambda i: grouper.position(i + 1, keys[i]))
+    assert [i + 1 for i in order] == [1, 4, 7, 2, 3, 6, 5]
+    assert (grouper.groups, grouper.grouped) == (2, 5)
+
+
+def switches(hosts: Hosts) -> int:
+    """How often the prefix group changed from one request sent to the next."""
+    groups = [int(prompt.split()[-1]) % 2 for _host, prompt in hosts.sent]
+    return sum(a != b for a, b in zip(groups, groups[1:], strict=False))
+
+
+def test_claims_come_in_prefix_group_order(tmp_path: Path) -> None:
+    ledger = Ledger(f"sqlite:///{tmp_path / 'l.db'}")
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in interleaved(10)))
+    jobs.create_job(ledger, "j", tmp_path / "in.jsonl", resolve({"backend": "sim"}))
+    first = ledger.claim("j", "me", 3, lease_ttl=60)
+    rest = ledger.claim("j", "me", 10, lease_ttl=60, after=first[-1].sched)
+    assert [c.line for c in first + rest] == [1, 3, 5, 7, 9, 2, 4, 6, 8, 10]
+    assert [c.group for c in first[:2]] == [None, 1]
+
+
+def interleaved(n: int) -> list[dict[str, Any]]:
+    return [{"id": f"q{i}", **chat(SYSTEMS[i % 2], f"question {i}")} for i in range(n)]
+
+
+@pytest.mark.anyio
+async def test_prefix_order_sends_groups_together_and_writes_input_order(tmp_path: Path) -> None:
+    hosts = Hosts({"a.test": SimConfig()})
+    ledger, _ = await run(
+        tmp_path, hosts, lines=interleaved(40), base_url="http://a.test/v1", concurrency=1
+    )
+    assert switches(hosts) <= 3  # one group, then the other (a free slot may take one early)
+    records = list(read_results(tmp_path / "outputs" / "j.jsonl"))
+    assert [r["id"] for r in records] == [f"q{i}" for i in range(40)]
+    log = (tmp_path / "logs" / "j.log").read_text()
+    assert ledger.counts("j")["done"] == 40 and '"event":"run_started"' in log
+
+
+@pytest.mark.anyio
+async def test_order_input_sends_in_input_order(tmp_path: Path) -> None:
+    hosts = Hosts({"a.test": SimConfig()})
+    await run(
+        tmp_path,
+        hosts,
+        lines=interleaved(40),
+        base_url="http://a.test/v1",
+        concurrency=1,
+        order="input",
+    )
+    assert switches(hosts) >= 30
+
+
+@pytest.mark.anyio
+async def test_a_prefix_group_keeps_to_one_endpoint_when_it_has_room(tmp_path: Path) -> None:
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()})
+    await run(tmp_path, hosts, lines=interleaved(200), endpoints=endpoints("a", "b"))
+    by_group: dict[int, Counter[str]] = {0: Counter(), 1: Counter()}
+    for host, prompt in hosts.sent:
+        by_group[int(prompt.split()[-1]) % 2][host] += 1
+    for counts in by_group.values():  # most of each group on one endpoint
+        assert counts.most_common(1)[0][1] >= 0.75 * sum(counts.values())
