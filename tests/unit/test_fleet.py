@@ -3,6 +3,7 @@ taken out on 401, fallbacks, per-endpoint status; and prefix-group claim order."
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -334,7 +335,7 @@ def test_groups_follow_their_first_line_in_input_order() -> None:
 def switches(hosts: Hosts) -> int:
     """How often the prefix group changed from one request sent to the next."""
     groups = [int(prompt.split()[-1]) % 2 for _host, prompt in hosts.sent]
-    return sum(a != b for a, b in zip(groups, groups[1:], strict=False))
+    return sum(a != b for a, b in itertools.pairwise(groups))
 
 
 def test_claims_come_in_prefix_group_order(tmp_path: Path) -> None:

@@ -22,11 +22,11 @@ from batchrun.cli_errors import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_SOME_FAILED
 from batchrun.cli_report import exit_code
 from batchrun.config import resolve
 from batchrun.errors import LedgerError
+from batchrun.fleet import Route
 from batchrun.jobs import Home
 from batchrun.ledger import ClaimedItem, Ledger
 from batchrun.progress import JobLog
 from batchrun.run_state import RunnerSettings, RunStats
-from batchrun.fleet import Route
 from batchrun.runner import Runner
 from batchrun.sim import SimModel, SimTransport, prompt_tag
 from tests.fakes import FakeTime
