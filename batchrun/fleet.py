@@ -7,7 +7,8 @@ request now and then probes it, 1 s after it went down and then twice as long ea
 30 s; the first answer brings it back up) or `out` (a 401/403/404: its configuration is wrong,
 so it is not sent to again in this run). While another lane is up, a request that fails on an
 unreachable lane, or on one taken out, is sent again elsewhere at once and costs its item no
-attempt; the job stops only when every lane left has been down past the outage grace period
+attempt (at most twice per endpoint, so a prompt that breaks every server still runs out of
+attempts); the job stops only when every lane left has been down past the outage grace period
 (EndpointDown), or every lane is out (its error).
 
 Prefix groups (items sharing a long prompt prefix) keep to the lane that took their first item
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from itertools import islice
@@ -32,7 +33,7 @@ import anyio
 
 from batchrun.backends import Backend
 from batchrun.config import RunSpec
-from batchrun.errors import EndpointDown, FatalError, TransientError
+from batchrun.errors import EmptyStream, EndpointDown, FatalError, StreamCut, TransientError
 from batchrun.retrying import Clock, OutageWatch, looks_like_outage
 from batchrun.server_metrics import ServerLoad
 from batchrun.throttle import Throttle
@@ -41,6 +42,7 @@ PROBE_FIRST_S = 1.0
 PROBE_MOST_S = 30.0
 AFFINITY_GROUPS = 4096  # prefix groups whose lane is remembered
 WAKE_SCAN = 16  # waiters looked at for one whose group belongs to the lane that has room
+FREE_TRIES = 2  # per endpoint: how often one item may fail for free on failing endpoints
 
 
 class Rerouted(TransientError):
@@ -106,6 +108,13 @@ class _Waiter:
     event: anyio.Event = field(default_factory=anyio.Event)
 
 
+def _endpoint_failure(exc: TransientError) -> bool:
+    """Failures that an endpoint going down gives the requests it has in flight: refused or
+    reset connections, timeouts, 5xx, and answers cut off mid-stream."""
+    cut = isinstance(exc, StreamCut) and not isinstance(exc, EmptyStream)
+    return cut or looks_like_outage(exc)
+
+
 def _load(lane: Lane) -> tuple[float, float]:
     """Requests in flight per unit of weight, then requests sent so far per unit of weight
     (idle endpoints take turns)."""
@@ -128,6 +137,7 @@ class Fleet:
         self._waiters: deque[_Waiter] = deque()
         self._affinity: OrderedDict[int, Lane] = OrderedDict()
         self._out_error: FatalError | None = None
+        self._free: Counter[Hashable] = Counter()  # free tries per item, on failing endpoints
         if self.only is None:
             for lane in lanes:
                 lane.throttle.on_room = functools.partial(self._room, lane)
@@ -223,6 +233,7 @@ class Fleet:
 
     def success(self, key: Hashable = None) -> None:
         lane = self.only or self._sent_to.pop(key)
+        self._free.pop(key, None)
         lane.outage.success(key)
         lane.answered += 1
         if lane.state == "down":
@@ -245,9 +256,16 @@ class Fleet:
             lane.probe_at = self.clock() + lane.probe_wait
         elif lane.state == "up" and lane.outage.down:
             self._down(lane)
-        if free or not looks_like_outage(exc) or lane.outage.suspect(key):
-            return free
-        return any(other.state == "up" for other in self.lanes if other is not lane)
+        if free:
+            return True
+        if not _endpoint_failure(exc) or lane.outage.suspect(key):
+            return False
+        if self._free[key] >= FREE_TRIES * len(self.lanes):
+            return False  # it fails wherever it goes: its own fault, its attempts count
+        if any(other.state == "up" for other in self.lanes if other is not lane):
+            self._free[key] += 1
+            return True
+        return False
 
     def resend_now(self, key: Hashable) -> bool:
         """Whether the item's next try should go at once: its lane is down or out, and

@@ -388,3 +388,22 @@ async def test_a_prefix_group_keeps_to_one_endpoint_when_it_has_room(tmp_path: P
         by_group[int(prompt.split()[-1]) % 2][host] += 1
     for counts in by_group.values():  # most of each group on one endpoint
         assert counts.most_common(1)[0][1] >= 0.75 * sum(counts.values())
+
+
+@pytest.mark.anyio
+async def test_a_prompt_that_fails_on_every_endpoint_still_runs_out_of_attempts(
+    tmp_path: Path,
+) -> None:
+    def poison(request: httpx.Request, n: int) -> httpx.Response | None:
+        if b"prompt number 3" in request.content:
+            return httpx.Response(502, text="bad gateway")
+        return None
+
+    hosts = Hosts(
+        {"a.test": SimConfig(), "b.test": SimConfig()}, {"a.test": poison, "b.test": poison}
+    )
+    ledger, stats = await run(tmp_path, hosts, n=20, max_attempts=2, endpoints=endpoints("a", "b"))
+    counts = ledger.counts("j")
+    assert counts["done"] == 19 and counts["failed"] == 1 and stats.aborted is None
+    tries = sum(1 for _host, prompt in hosts.sent if prompt == "prompt number 3")
+    assert 2 <= tries <= 2 + 2 * 2  # its attempts, and at most two free tries per endpoint

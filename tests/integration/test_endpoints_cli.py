@@ -1,0 +1,78 @@
+"""The real CLI against several `batchrun sim` servers at once: one killed mid-run (its work
+goes to the others, no item fails, no attempt is spent on it), `status` per endpoint, and an
+endpoint with a wrong key taken out while the others finish the job."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.audit import Outside
+from tests.integration.helpers import CLI, start_sim, write_prompts
+
+pytestmark = pytest.mark.integration
+
+SLOW = ("--ttft-ms", "20", "--tpot-ms", "2", "--slots", "8")  # ~100 ms a request
+
+
+def test_a_killed_endpoint_hands_its_work_to_the_others(cli: CLI, tmp_path: Path) -> None:
+    servers = {name: start_sim("--port", "0", *SLOW) for name in ("a", "b", "c")}
+    try:
+        inp = tmp_path / "in.jsonl"
+        write_prompts(inp, 600)
+        assert cli.run("submit", str(inp), "--job", "j", "--no-run", "-q").returncode == 0
+        outside = Outside(f"sqlite:///{cli.home / 'jobs' / 'ledger.db'}")
+        outside.install_audit()
+        flags = [f"--endpoint={name}={url}" for name, (_proc, url) in servers.items()]
+        # one attempt per item: an attempt spent on the dead endpoint would fail its item
+        job = cli.start("resume", "j", *flags, "--max-attempts", "1", "--concurrency", "4")
+        cli.wait_for("j", 150, job)
+        servers["c"][0].kill()
+        _out, err = job.communicate(timeout=120)
+        assert job.returncode == 0, err
+    finally:
+        for proc, _url in servers.values():
+            proc.kill()
+            proc.wait()
+    records = cli.output("j")
+    assert [r["status"] for r in records] == ["done"] * 600
+    assert [r["id"] for r in records] == [f"item-{i}" for i in range(600)]
+    by = Counter(r["answered_by"] for r in records)
+    assert set(by) == {"a", "b", "c"} and by["c"] < min(by["a"], by["b"])
+    assert outside.committed_once(600)
+    assert "endpoint c down" in err and "c " in err.splitlines()[-1]
+    status = json.loads(cli.run("status", "j", "--json").stdout)
+    shown = {e["name"]: e for e in status["endpoints"]}
+    assert shown["c"]["state"] == "down" and shown["a"]["items"] == {"done": by["a"]}
+
+
+def test_a_wrong_key_takes_one_endpoint_out(
+    cli: CLI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SIM_LOCK", "right-key-123456")  # the locked server's own key
+    good = start_sim("--port", "0", *SLOW)
+    locked = start_sim("--port", "0", "--api-key-env", "SIM_LOCK", *SLOW)
+    try:
+        inp = tmp_path / "in.jsonl"
+        write_prompts(inp, 100)
+        got = cli.run(
+            "submit",
+            str(inp),
+            "--job",
+            "k",
+            f"--endpoint=open={good[1]}",
+            f"--endpoint=locked={locked[1]},key=WRONG_KEY,model=sim-1",
+            env={"WRONG_KEY": "wrong-key-654321"},
+        )
+    finally:
+        for proc, _url in (good, locked):
+            proc.kill()
+            proc.wait()
+    assert got.returncode == 0, got.stderr
+    assert "endpoint locked out" in got.stderr
+    assert "locked 0 answered (out: " in got.stderr.splitlines()[-1]
+    assert "wrong-key" not in got.stderr + got.stdout
+    assert Counter(r["answered_by"] for r in cli.output("k")) == {"open": 100}
