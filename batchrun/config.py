@@ -320,7 +320,12 @@ def _validate(spec: RunSpec, preset: Preset | None) -> None:
         raise OptionError(
             f"{{endpoint}} must be chat or completions, got {OptionError.quoted(spec.endpoint)}"
         )
-    for e in parse_endpoints(spec.endpoints):
+    several = parse_endpoints(spec.endpoints)
+    if len(several) > 1 and spec.server_metrics not in ("auto", "off"):
+        raise OptionError(
+            "{server_metrics} URL names one server; with several endpoints give auto or off"
+        )
+    for e in several:
         if e.key and not ENV_NAME.fullmatch(e.key):  # not echoed, like api_key_env
             raise UsageError(f"--endpoint {e.name}: key= must be the NAME of a variable")
         if e.backend and e.backend not in PRESETS:

@@ -12,11 +12,13 @@ endpoint a fallback, sent to only while every weighted endpoint is down or taken
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from batchrun.errors import UsageError
 
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SYNTAX = "NAME=URL[,model=M][,key=VAR][,backend=PRESET][,weight=W][,rpm=R][,tpm=T]"
 TEXT_PARTS = ("model", "key", "backend")
 NUMBER_PARTS = ("weight", "rpm", "tpm")
@@ -41,17 +43,20 @@ def is_endpoint(text: str) -> bool:
 
 def parse_endpoint(text: str) -> EndpointSpec:
     name, sep, rest = text.partition("=")
-    if not sep or not name.strip() or not rest.strip():
-        raise UsageError(f"--endpoint {name.strip() or '?'}: write {SYNTAX}")
+    if not sep or not NAME.fullmatch(name.strip()) or not rest.strip():
+        shown = name.strip() if NAME.fullmatch(name.strip()) else "?"  # never a stray key
+        raise UsageError(f"--endpoint {shown}: write {SYNTAX}, NAME of 1-64 letters, digits, ._-")
     url, *extras = rest.split(",")
     texts: dict[str, str] = {}
     numbers: dict[str, float] = {}
-    for extra in extras:
+    for position, extra in enumerate(extras, start=2):
         key, sep, value = (part.strip() for part in extra.partition("="))
         if not sep or key not in TEXT_PARTS + NUMBER_PARTS or not value:
+            # not the part's text: it may be a key pasted in the wrong place
             known = ", ".join(f"{k}=" for k in TEXT_PARTS + NUMBER_PARTS)
-            # the part's name only: a value may be a key pasted in the wrong place
-            raise UsageError(f"--endpoint {name.strip()}: unknown part {key!r} ({known})")
+            raise UsageError(
+                f"--endpoint {name.strip()}: part {position} is not one of {known} with a value"
+            )
         if key in TEXT_PARTS:
             texts[key] = value
         else:
@@ -75,8 +80,8 @@ def _number(name: str, key: str, value: str) -> float:
         number = float(value)
     except ValueError:
         number = math.nan
-    if not math.isfinite(number) or number < 0:
-        raise UsageError(f"--endpoint {name}: {key} must be a number of at least 0, got {value!r}")
+    if not math.isfinite(number) or number < 0:  # the value not echoed: it may be a key
+        raise UsageError(f"--endpoint {name}: {key} must be a number of at least 0")
     return number
 
 

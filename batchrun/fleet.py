@@ -33,7 +33,14 @@ import anyio
 
 from batchrun.backends import Backend
 from batchrun.config import RunSpec
-from batchrun.errors import EmptyStream, EndpointDown, FatalError, StreamCut, TransientError
+from batchrun.errors import (
+    EmptyStream,
+    EndpointDown,
+    FatalError,
+    RequestError,
+    StreamCut,
+    TransientError,
+)
 from batchrun.retrying import Clock, OutageWatch, looks_like_outage
 from batchrun.server_metrics import ServerLoad
 from batchrun.throttle import Throttle
@@ -43,6 +50,9 @@ PROBE_MOST_S = 30.0
 AFFINITY_GROUPS = 4096  # prefix groups whose lane is remembered
 WAKE_SCAN = 16  # waiters looked at for one whose group belongs to the lane that has room
 FREE_TRIES = 2  # per endpoint: how often one item may fail for free on failing endpoints
+
+
+_PROBING = object()  # a probe's lane, picked and not yet given its item
 
 
 class Rerouted(TransientError):
@@ -84,7 +94,7 @@ class Lane:
     sent: int = 0  # requests it was picked for
     answered: int = 0
     errors: int = 0
-    probing: bool = False
+    probe: Hashable = None  # the item whose request probes this lane now, if one does
     probe_at: float = 0.0
     probe_wait: float = PROBE_FIRST_S
 
@@ -108,18 +118,20 @@ class _Waiter:
     event: anyio.Event = field(default_factory=anyio.Event)
 
 
-def _endpoint_failure(exc: TransientError) -> bool:
+def _endpoint_failure(exc: RequestError) -> bool:
     """Failures that an endpoint going down gives the requests it has in flight: refused or
     reset connections, timeouts, 5xx, and answers cut off mid-stream."""
+    if not isinstance(exc, TransientError):
+        return False
     cut = isinstance(exc, StreamCut) and not isinstance(exc, EmptyStream)
     return cut or looks_like_outage(exc)
 
 
 def _load(lane: Lane) -> tuple[float, float]:
-    """Requests in flight per unit of weight, then requests sent so far per unit of weight
-    (idle endpoints take turns)."""
+    """Slots taken (on the wire or waiting for the pacer) per unit of weight, then requests
+    sent so far per unit of weight (idle endpoints take turns)."""
     weight = lane.route.weight or 1.0
-    return ((lane.throttle.in_flight + 1) / weight, lane.sent / weight)
+    return ((lane.throttle.busy + 1) / weight, lane.sent / weight)
 
 
 class Fleet:
@@ -164,40 +176,43 @@ class Fleet:
             if lane is not None:
                 lane.sent += 1
                 self._sent_to[key] = lane
+                if lane.probe is _PROBING:
+                    lane.probe = key
                 if group is not None:
                     self._remember(group, lane)
                 return lane
             waiter = _Waiter(group)
             self._waiters.append(waiter)
-            with anyio.move_on_after(self._until_due()):
-                await waiter.event.wait()
-            if not waiter.event.is_set():
-                self._waiters.remove(waiter)
+            try:
+                with anyio.move_on_after(self._until_due()):
+                    await waiter.event.wait()
+            finally:
+                if not waiter.event.is_set():
+                    self._waiters.remove(waiter)
 
     def _take(self, group: int | None) -> Lane | None:
+        now = self.clock()
+        for lane in self.lanes:  # first a probe of a lane that is down, when one is due
+            due = lane.state == "down" and lane.probe is None and now >= lane.probe_at
+            if due and lane.throttle.take():
+                lane.probe = _PROBING  # the pick names the item
+                self._on_event("endpoint_probe", endpoint=lane.name)
+                return lane
         up = [lane for lane in self.lanes if lane.state == "up"]
         if any(lane.route.weight > 0 for lane in up):  # weight 0: a fallback
             up = [lane for lane in up if lane.route.weight > 0]
         preferred = self._affinity.get(group) if group is not None else None
         if preferred is not None and preferred in up and preferred.throttle.take():
             return preferred
-        by_load = sorted(up, key=_load)
-        for lane in by_load:
+        for lane in sorted(up, key=_load):
             if lane.throttle.take():
-                return lane
-        now = self.clock()
-        for lane in self.lanes:  # a probe of a lane that is down, when one is due
-            due = lane.state == "down" and not lane.probing and now >= lane.probe_at
-            if due and lane.throttle.take():
-                lane.probing = True
-                self._on_event("endpoint_probe", endpoint=lane.name)
                 return lane
         return None
 
     def _until_due(self) -> float | None:
         """How long a waiter may sleep: until the next probe is due (and the outage grace
         is looked at again); None while no lane is down."""
-        due = [lane.probe_at for lane in self.lanes if lane.state == "down" and not lane.probing]
+        due = [lane.probe_at for lane in self.lanes if lane.state == "down" and lane.probe is None]
         if not due:
             return None
         return max(0.01, min(min(due) - self.clock(), PROBE_FIRST_S))
@@ -231,15 +246,31 @@ class Fleet:
     def lane_of(self, key: Hashable) -> Lane:
         return self.only or self._sent_to[key]
 
+    def ended(self, lane: Lane, key: Hashable, error: BaseException | None) -> None:
+        """A request on `lane` ended (before the retry policy hears of it). Any answer from
+        the server, an error status too, says it is reachable: a lane that was down is up
+        again. A probe that failed to reach it comes due again later, twice as late."""
+        if self.only is not None:
+            return
+        reached = error is None or (
+            isinstance(error, RequestError) and not _endpoint_failure(error)
+        )
+        if reached and lane.state == "down":
+            lane.state, lane.reason, lane.probe = "up", "", None
+            self._on_event("endpoint_up", endpoint=lane.name)
+            self._wake_all()
+        elif lane.probe == key and lane.probe is not None:
+            lane.probe = None
+            if not isinstance(error, RequestError):  # stopped, not answered: due again now
+                return
+            lane.probe_wait = min(PROBE_MOST_S, lane.probe_wait * 2)
+            lane.probe_at = self.clock() + lane.probe_wait
+
     def success(self, key: Hashable = None) -> None:
         lane = self.only or self._sent_to.pop(key)
         self._free.pop(key, None)
         lane.outage.success(key)
         lane.answered += 1
-        if lane.state == "down":
-            lane.state, lane.reason, lane.probing = "up", "", False
-            self._on_event("endpoint_up", endpoint=lane.name)
-            self._wake_all()
 
     def failure(self, exc: TransientError, key: Hashable = None) -> bool:
         """Note a failed request; True: it costs its item no attempt."""
@@ -250,11 +281,7 @@ class Fleet:
         lane.errors += 1
         if self.only is not None:
             return free
-        if lane.probing:
-            lane.probing = False
-            lane.probe_wait = min(PROBE_MOST_S, lane.probe_wait * 2)
-            lane.probe_at = self.clock() + lane.probe_wait
-        elif lane.state == "up" and lane.outage.down:
+        if lane.state == "up" and lane.outage.down:
             self._down(lane)
         if free:
             return True
@@ -297,7 +324,9 @@ class Fleet:
         gone = [
             lane
             for lane in live
-            if lane.state == "down" and now - (lane.outage.down_since or now) > self.grace
+            if lane.state == "down"
+            and lane.outage.down_since is not None
+            and now - lane.outage.down_since > self.grace
         ]
         if len(gone) == len(live):
             errors = "; ".join(f"{lane.name}: {lane.outage.last_error}" for lane in gone)
@@ -325,6 +354,7 @@ class Fleet:
         lane.probe_wait = PROBE_FIRST_S
         lane.probe_at = self.clock() + lane.probe_wait
         self._on_event("endpoint_down", endpoint=lane.name, error=lane.reason)
+        self._wake_all()  # waiters for its slots look at the others (a fallback, say)
 
     def uses(self) -> list[EndpointUse]:
         return [lane.use() for lane in self.lanes]

@@ -268,8 +268,9 @@ async def run_job(
             spec, transport=transport, sleep=settings.sleep, clock=settings.clock, note=left_out
         ) as routes:
             opened = True
-            if len(routes) == 1 and not spec.endpoints:
-                spec = routes[0].spec  # its model, asked of the server when not given
+            models = {route.spec.model for route in routes}
+            if len(models) == 1:  # the model every request goes with (asked of the server when
+                spec = replace(spec, model=models.pop())  # not given): in requests and reuse
             waiting, reused = await anyio.to_thread.run_sync(_reuse, ledger, name, spec, log)
             counts = ledger.counts(name)
             progress = Progress(

@@ -14,7 +14,7 @@ from dataclasses import replace
 import anyio
 
 from batchrun.backends import Backend, Transport
-from batchrun.backends.build import build_backend, metrics_reader
+from batchrun.backends.build import build_backend, metrics_reader, sim_transport
 from batchrun.backends.metrics_reader import MetricsReader
 from batchrun.config import RunSpec, resolve
 from batchrun.endpoints import EndpointSpec, host_port, parse_endpoints
@@ -61,8 +61,9 @@ async def opened_routes(
     opened: list[tuple[EndpointSpec, RunSpec, Backend, MetricsReader | None]] = []
     try:
         for e, lane_spec in endpoint_specs(spec):
-            backend = build_backend(lane_spec, transport)
-            opened.append((e, lane_spec, backend, metrics_reader(lane_spec, transport)))
+            own = transport or sim_transport(lane_spec)  # requests and /metrics alike
+            backend = build_backend(lane_spec, own)
+            opened.append((e, lane_spec, backend, metrics_reader(lane_spec, own)))
         picked: dict[str, RunSpec | FatalError] = {}
 
         async def pick(e: EndpointSpec, lane_spec: RunSpec, backend: Backend) -> None:

@@ -258,7 +258,7 @@ class Runner:
     async def _share_budget(self) -> None:
         """--rpm/--tpm are the whole job's: this worker takes its part of them, 1/N with N
         workers alive (itself too), looked at again with each heartbeat."""
-        if self.spec.rpm is None and self.spec.tpm is None:
+        if all(r.spec.rpm is None and r.spec.tpm is None for r in self.routes):
             return
         live = await self._db(self.ledger.live_workers, self.job, ttl=self.settings.lease_ttl)
         live = max(1, live)

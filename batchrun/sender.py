@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 
 from batchrun.backends import Completion, CompletionRequest
-from batchrun.errors import BadRequest, FatalError, RequestError
+from batchrun.errors import BadRequest, FatalError, NotFound, RequestError
 from batchrun.fleet import Fleet, Lane, Rerouted
 from batchrun.inputs import estimate_tokens
 from batchrun.ledger import ClaimedItem, ItemResult
@@ -81,7 +81,18 @@ class Sender:
             attempts += 1
             tries += 1
             guided = plan.guided
-            lane = fleet.only or await fleet.pick(item.line, item.group)
+            if fleet.only is not None:
+                return await send(fleet.only)
+            lane = await fleet.pick(item.line, item.group)
+            try:
+                completion = await send(lane)
+            except BaseException as exc:
+                fleet.ended(lane, item.line, exc)
+                raise
+            fleet.ended(lane, item.line, None)
+            return completion
+
+        async def send(lane: Lane) -> Completion:
             request = CompletionRequest(item.endpoint, self._body(plan.request(), lane, item))
             prompt, most = estimate_split(request.body)
             taken = lane is not fleet.only
@@ -97,7 +108,9 @@ class Sender:
                     slot.failed(exc)
                     kind = type(exc).__name__
                     log_attempt("error", http_status=exc.status, error_kind=kind, error=str(exc))
-                    if isinstance(exc, FatalError) and fleet.take_out(lane, exc):
+                    # a 404 to a line's own model is that line's, not the endpoint's
+                    own = isinstance(exc, NotFound) and "model" in item.body
+                    if isinstance(exc, FatalError) and not own and fleet.take_out(lane, exc):
                         raise Rerouted(f"{lane.name} left the job: {exc}") from None
                     raise
                 except anyio.get_cancelled_exc_class():  # a second Ctrl-C: stopped unanswered

@@ -66,11 +66,12 @@ def _endpoints(
         elapsed = max(w.heartbeat - w.started_at, 1e-9)
         for name, e in (w.endpoints or {}).items():
             one = shown.setdefault(name, {"name": name, "errors": 0, "limit": 0, "per_s": 0.0})
-            one["state"] = e["state"] if one.get("state") in (None, "up") else one["state"]
+            state = e.get("state", "-")
+            one["state"] = state if one.get("state") in (None, "up") else one["state"]
             one["reason"] = e.get("reason") or one.get("reason", "")
-            one["errors"] += e["errors"]
-            one["limit"] += e["limit"]
-            one["per_s"] = round(one["per_s"] + e["answered"] / elapsed, 1)
+            one["errors"] += e.get("errors", 0)
+            one["limit"] += e.get("limit", 0)
+            one["per_s"] = round(one["per_s"] + e.get("answered", 0) / elapsed, 1)
     for name, counts in answered.items():
         shown.setdefault(name, {"name": name, "state": "-", "errors": 0, "limit": 0, "per_s": 0.0})
         shown[name]["items"] = counts

@@ -96,6 +96,11 @@ class Throttle:
         `taken`: the slot was taken already (`take`)."""
         return Slot(self, estimated_tokens, prompt_tokens, taken)
 
+    @property
+    def busy(self) -> int:
+        """Slots taken: requests on the wire, and those waiting for the pacer's go."""
+        return int(self._slots.borrowed_tokens)
+
     def take(self) -> bool:
         """Take a free slot now, for a `slot(..., taken=True)` by the same task; False when
         none is free."""

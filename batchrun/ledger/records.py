@@ -52,7 +52,7 @@ class ClaimedItem:
     body: dict[str, Any]  # the line's own request fields
     digest: str
     attempts: int
-    group: int | None = None  # its prefix group (the group's first line), if it has one
+    group: int | None = None  # its prefix group: the group's first line (its own, alone)
     sched: int = 0  # its place in the claim order
 
 

@@ -40,8 +40,7 @@ def stored_of(row: RowMapping) -> StoredItem:
 
 def claimed_of(row: Row[Any]) -> ClaimedItem:
     """A claimed row (line, item_id, endpoint, body, digest, attempts, sched), its body
-    parsed and its prefix group (the group's first line) read from its place in the order."""
+    parsed and its prefix group read from its place in the order."""
     line, item_id, endpoint, body, digest, attempts, sched = tuple(row)
-    lead = sched >> LINE_BITS
-    group = lead if lead != line else None
+    group = sched >> LINE_BITS  # its group's first line (its own line, alone)
     return ClaimedItem(line, item_id, endpoint, orjson.loads(body), digest, attempts, group, sched)

@@ -21,6 +21,7 @@ from batchrun.errors import UsageError
 from batchrun.jobs import Home
 from batchrun.ledger import Ledger
 from batchrun.prefixes import PREFIX_CHARS, Grouper, prefix_key
+from batchrun.routes import opened_routes
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.sim import SimConfig, SimModel, SimTransport
 from batchrun.status_view import job_detail, render_detail
@@ -345,7 +346,7 @@ def test_claims_come_in_prefix_group_order(tmp_path: Path) -> None:
     first = ledger.claim("j", "me", 3, lease_ttl=60)
     rest = ledger.claim("j", "me", 10, lease_ttl=60, after=first[-1].sched)
     assert [c.line for c in first + rest] == [1, 3, 5, 7, 9, 2, 4, 6, 8, 10]
-    assert [c.group for c in first[:2]] == [None, 1]
+    assert [c.group for c in first[:2]] == [1, 1]  # the group's first line, itself too
 
 
 def interleaved(n: int) -> list[dict[str, Any]]:
@@ -407,3 +408,46 @@ async def test_a_prompt_that_fails_on_every_endpoint_still_runs_out_of_attempts(
     assert counts["done"] == 19 and counts["failed"] == 1 and stats.aborted is None
     tries = sum(1 for _host, prompt in hosts.sent if prompt == "prompt number 3")
     assert 2 <= tries <= 2 + 2 * 2  # its attempts, and at most two free tries per endpoint
+
+
+@pytest.mark.anyio
+async def test_one_named_endpoint_sends_its_own_model(tmp_path: Path) -> None:
+    hosts = Hosts({"a.test": SimConfig(models=("m-a",), strict_models=True)})
+    ledger, stats = await run(
+        tmp_path, hosts, model=None, endpoints=["a=http://a.test/v1,model=m-a"]
+    )
+    assert ledger.counts("j")["done"] == 40 and stats.aborted is None
+
+
+@pytest.mark.anyio
+async def test_a_down_endpoint_that_answers_a_probe_with_an_error_status_is_up(
+    tmp_path: Path,
+) -> None:
+    fake = FakeTime()
+
+    def down_then_400(request: httpx.Request, n: int) -> httpx.Response | None:
+        if n in (4, 5):
+            return refused(request)
+        if n == 6:  # the probe: the server is back, and finds this prompt too long
+            return httpx.Response(400, json={"error": {"message": "context length exceeded"}})
+        return None
+
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, {"b.test": down_then_400})
+    hosts.sims["a.test"] = SlowSim(fake)
+    ledger, stats = await run(tmp_path, hosts, n=400, fake=fake, endpoints=endpoints("a", "b"))
+    uses = {u.name: u for u in stats.endpoints}
+    assert uses["b"].state == "up" and uses["b"].answered > 3
+    assert ledger.counts("j")["done"] + ledger.counts("j")["failed"] == 400
+
+
+@pytest.mark.anyio
+async def test_the_in_process_simulator_serves_its_metrics_to_its_route(tmp_path: Path) -> None:
+    spec = resolve({"backend": "sim"})
+    opened = opened_routes(
+        spec, transport=None, sleep=FakeTime().sleep, clock=lambda: 0.0, note=print
+    )
+    async with opened as routes:
+        (route,) = routes
+        assert route.server_load is not None
+        load = await route.server_load()
+        assert load is not None and load.running == 0  # the same simulator the requests reach
