@@ -50,9 +50,28 @@ class Sender:
         self.stats = stats
         self.settings = settings
         self._fatal = on_fatal
+        self._warming: dict[int, anyio.Event] = {}  # line -> set once its prefill is done
 
     async def process(self, item: ClaimedItem) -> ItemResult | None:
-        """The item's final result; None when a fatal error stopped the job meanwhile."""
+        """The item's final result; None when a fatal error stopped the job meanwhile.
+
+        A prefix group's later lines wait until its first line's request has its first token
+        (or has ended), if that request is under way here: the engine then computes the
+        shared prefix once and the rest find it cached, instead of a whole wave of requests
+        each computing it cold at once (llama-server's slots do not share their caches)."""
+        if item.group is not None and item.group != item.line:
+            first = self._warming.get(item.group)
+            if first is not None:
+                await first.wait()
+            return await self._process(item, None)
+        warm = self._warming[item.line] = anyio.Event()  # maybe a group's first line
+        try:
+            return await self._process(item, warm)
+        finally:
+            warm.set()
+            del self._warming[item.line]
+
+    async def _process(self, item: ClaimedItem, warm: anyio.Event | None) -> ItemResult | None:
         body = {**self.defaults, **item.body}
         plan = self.rules.plan(item.endpoint, body)
         summary = None if self.log.redact else input_summary(body)
@@ -97,6 +116,7 @@ class Sender:
             prompt, most = estimate_split(request.body)
             taken = lane is not fleet.only
             async with lane.throttle.slot(prompt + most, prompt_tokens=prompt, taken=taken) as slot:
+                slot.warm = warm  # set at its first token: its group's other lines may go
                 # Counted when sent (every request sent gets its attempt line); a retry is the
                 # same request again (repairs are new requests, not retries).
                 self.stats.requests += 1

@@ -158,6 +158,7 @@ class Slot:
         self._used: tuple[int, int] | None = None  # what the answer says it cost
         self.sent_in_flight = 0  # set when it takes its slot
         self.sent_at_limit = 0
+        self.warm: anyio.Event | None = None  # set at the first token, or when it ends
 
     async def __aenter__(self) -> Slot:
         t = self._throttle
@@ -181,6 +182,8 @@ class Slot:
         return self
 
     async def __aexit__(self, *_exc: object) -> None:
+        if self.warm is not None:
+            self.warm.set()
         t = self._throttle
         t.in_flight -= 1
         t._slots.release()
@@ -196,6 +199,8 @@ class Slot:
             t._apply(None)
 
     def first_token(self, ttft: float) -> None:
+        if self.warm is not None:
+            self.warm.set()
         t = self._throttle
         if t.controller is None:
             return

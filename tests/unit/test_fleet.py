@@ -451,3 +451,48 @@ async def test_the_in_process_simulator_serves_its_metrics_to_its_route(tmp_path
         assert route.server_load is not None
         load = await route.server_load()
         assert load is not None and load.running == 0  # the same simulator the requests reach
+
+
+class Timeline(SimTransport):
+    """A simulator that takes 0.05 s of the fake clock per answer and notes when each
+    question's request was sent and answered."""
+
+    def __init__(self, fake: FakeTime) -> None:
+        super().__init__(SimModel())
+        self.fake = fake
+        self.events: list[tuple[str, int]] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method != "POST":
+            return await super().handle_async_request(request)
+        question = int(json.loads(request.content)["messages"][-1]["content"].split()[-1])
+        self.events.append(("sent", question))
+        await self.fake.sleep(0.05)
+        response = await super().handle_async_request(request)
+        self.events.append(("answered", question))
+        return response
+
+
+@pytest.mark.anyio
+async def test_a_group_waits_for_its_first_line_to_compute_the_prefix(tmp_path: Path) -> None:
+    fake = FakeTime()
+    timeline = Timeline(fake)
+    hosts = Hosts({"a.test": SimConfig()})
+    hosts.sims["a.test"] = timeline
+    ledger, _ = await run(
+        tmp_path,
+        hosts,
+        lines=interleaved(40),
+        fake=fake,
+        base_url="http://a.test/v1",
+        concurrency=8,
+        stream=False,
+    )
+    assert ledger.counts("j")["done"] == 40
+    events = timeline.events
+    for lead in (0, 1):  # each group's first line, alone until answered
+        start, end = events.index(("sent", lead)), events.index(("answered", lead))
+        during = [q for kind, q in events[start + 1 : end] if kind == "sent"]
+        assert all(q % 2 != lead % 2 for q in during), during
+    first_wave = [q for kind, q in events[:8] if kind == "sent"]
+    assert first_wave[0] == 0 and len(first_wave) < 8  # not eight cold copies of one prefix
