@@ -94,9 +94,10 @@ RUN_OPTIONS: list[Callable[[F], F]] = [
     ),
     click.option(
         "--order",
-        type=click.Choice(["prefix", "input"]),
-        help="Claim order, fixed when the file is loaded: lines sharing a long prompt prefix "
-        "together (prefix), or input order [prefix]. Results are in input order either way.",
+        type=click.Choice(["auto", "prefix", "input"]),
+        help="Send lines sharing a long prompt prefix together (prefix), or in input order; "
+        "auto: prefix, but input against llama.cpp's server [auto]. Results are in input "
+        "order either way.",
     ),
     click.option("--stream/--no-stream", default=None, help="Stream responses [default: on]."),
     click.option(

@@ -22,7 +22,7 @@ from batchrun.presets import PRESETS, Preset
 ENDPOINTS = ("chat", "completions")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 ON_TRUNCATE = ("fail", "retry-longer")
-ORDERS = ("prefix", "input")
+ORDERS = ("auto", "prefix", "input")
 
 
 # The spec's parts, for the layers that need only one: the input reader takes the guards, the
@@ -92,7 +92,9 @@ class RunSpec:
     endpoint: str = "chat"
     # Several endpoints (endpoints.py syntax); when given, they replace backend/base_url/key.
     endpoints: tuple[str, ...] = ()
-    order: str = "prefix"  # claim order: lines sharing a long prompt prefix together, or "input"
+    # Claim order: lines sharing a long prompt prefix together ("prefix"), or "input"; "auto":
+    # prefix, but input against llama.cpp's server (its slots' caches are not shared).
+    order: str = "auto"
     stream: bool = True
     concurrency: int | str = "auto"  # "auto": the adaptive controller (controller.py), or a number
     max_concurrency: int = 256  # the most "auto" may reach
@@ -174,7 +176,7 @@ class RunOptions(TypedDict, total=False):
     api_key_env: str | None  # the NAME of the variable that holds the key, never the key
     endpoint: str | None  # "chat" or "completions"
     endpoints: list[str] | tuple[str, ...] | None  # NAME=URL[,model=..]: several endpoints
-    order: str | None  # "prefix" (lines sharing a long prefix go out together) or "input"
+    order: str | None  # "auto", "prefix" (a long shared prompt prefix together) or "input"
     stream: bool | None
     concurrency: int | str | None  # a number, or "auto"
     max_concurrency: int | None

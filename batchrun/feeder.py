@@ -34,7 +34,9 @@ class Feeder:
         limit: Callable[[], int],
         settings: RunnerSettings,
         log: JobLog,
+        by_prefix: bool = True,
     ) -> None:
+        self.by_prefix = by_prefix  # claim order: prefix groups together, or input order
         self.ledger = ledger
         self._db = db
         self.job = job
@@ -69,7 +71,7 @@ class Feeder:
                         return
                     after = -1
                     continue
-                after = batch[-1].sched
+                after = batch[-1].sched if self.by_prefix else batch[-1].line
                 for item in batch:
                     if self.stopping.is_set():
                         return  # claimed but unsent items are released at the end
@@ -97,6 +99,7 @@ class Feeder:
             size,
             lease_ttl=self.settings.lease_ttl,
             after=after,
+            by_prefix=self.by_prefix,
         )
         self.held.update(item.line for item in batch)
         self._unfinished += len(batch)

@@ -86,7 +86,7 @@ def create_job(ledger: Ledger, name: str, input_path: Path, spec: RunSpec) -> In
         endpoint=spec.endpoint,
         defaults=spec.request_defaults(),
         guards=spec.guards,
-        prefixes=spec.order == "prefix",
+        prefixes=True,  # keyed always: the order is chosen when the job runs
     )
     report = ledger.create_job(
         name,

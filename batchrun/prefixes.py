@@ -14,7 +14,8 @@ of ~130 tokens, and a key this long never joins prompts that share only a greeti
 The claim order (`sched`, an integer) puts each group right after its first line, in input
 order within the group: `(lead << 32) | line`, where `lead` is the group's first line (the
 line itself without a group). Nothing waits behind a group for longer than the group takes,
-and results are still written in input order.
+and results are still written in input order. The sender holds a group's later lines until
+its first line's request has its first token (sender.py), so the prefix is computed once.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from batchrun.ledger_calls import LedgerCalls
 from batchrun.progress import JobLog, Progress
 from batchrun.retrying import OutageWatch, RetryPolicy
 from batchrun.reuse import answer_spec
+from batchrun.routes import by_prefix
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.sender import Sender
 from batchrun.structured import OutputRules
@@ -95,6 +96,7 @@ class Runner:
             limit=lambda: self.fleet.limit,
             settings=self.settings,
             log=log,
+            by_prefix=by_prefix(spec, routes),
         )
         self._stopping = self.feeder.stopping
         self._workers_scope: anyio.CancelScope | None = None
@@ -109,6 +111,7 @@ class Runner:
             settings=self.settings,
             on_fatal=self._abort,
         )
+        self.sender.warm_groups = self.feeder.by_prefix
 
     def _lane(self, route: Route) -> Lane:
         """An endpoint's own throttle (adaptive limit, rpm/tpm) and outage watch."""
@@ -165,6 +168,7 @@ class Runner:
             concurrency=self.spec.concurrency,
             backend=self.spec.backend,
             model=self.spec.model,
+            order="prefix" if self.feeder.by_prefix else "input",
         )
         try:
             results_send, results_recv = anyio.create_memory_object_stream[ItemResult](math.inf)

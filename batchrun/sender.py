@@ -51,6 +51,7 @@ class Sender:
         self.settings = settings
         self._fatal = on_fatal
         self._warming: dict[int, anyio.Event] = {}  # line -> set once its prefill is done
+        self.warm_groups = True  # a group's later lines wait for its first (prefix order)
 
     async def process(self, item: ClaimedItem) -> ItemResult | None:
         """The item's final result; None when a fatal error stopped the job meanwhile.
@@ -59,6 +60,8 @@ class Sender:
         (or has ended), if that request is under way here: the engine then computes the
         shared prefix once and the rest find it cached, instead of a whole wave of requests
         each computing it cold at once (llama-server's slots do not share their caches)."""
+        if not self.warm_groups:
+            return await self._process(item, None)
         if item.group is not None and item.group != item.line:
             first = self._warming.get(item.group)
             if first is not None:

@@ -225,16 +225,26 @@ class Ledger:
     # --- items ------------------------------------------------------------------------------
 
     def claim(
-        self, name: str, owner: str, limit: int, *, lease_ttl: float, after: int = -1
+        self,
+        name: str,
+        owner: str,
+        limit: int,
+        *,
+        lease_ttl: float,
+        after: int = -1,
+        by_prefix: bool = True,
     ) -> list[ClaimedItem]:
-        """Lease up to `limit` pending items placed after `after` in the claim order (see
-        prefixes.py: input order, with lines that share a long prompt prefix together).
+        """Lease up to `limit` pending items placed after `after` in the claim order: lines
+        that share a long prompt prefix together (prefixes.py; `after` a `sched`), or input
+        order (`by_prefix` False; `after` a line).
 
-        A runner passes the last place it claimed, so each claim is a short range scan of the
-        pending items' index instead of a walk over every finished item before it.
+        A runner passes the last place it claimed, so each claim is a short range scan of an
+        index instead of a walk over every finished item before it.
         """
         with self._write("claiming items") as conn:
-            return workers.claim(conn, name, owner, limit, lease_ttl=lease_ttl, after=after)
+            return workers.claim(
+                conn, name, owner, limit, lease_ttl=lease_ttl, after=after, by_prefix=by_prefix
+            )
 
     def record(
         self, name: str, owner: str, results: list[ItemResult], *, answer_spec: str | None = None

@@ -139,16 +139,24 @@ def beat(
 
 
 def claim(
-    conn: Connection, name: str, owner: str, limit: int, *, lease_ttl: float, after: int
+    conn: Connection,
+    name: str,
+    owner: str,
+    limit: int,
+    *,
+    lease_ttl: float,
+    after: int,
+    by_prefix: bool,
 ) -> list[ClaimedItem]:
     """Ledger.claim's query: the next pending items in claim order, leased to `owner`."""
+    place = items.c.sched if by_prefix else items.c.line
     # a literal, not a parameter: SQLite then uses the partial index of pending items
     pending: ColumnElement[str] = literal_column("'pending'")
     claimable = dialect_of(conn).claimable(
         select(items.c.line)
-        .where(items.c.job == name, items.c.sched > after, items.c.status == pending)
+        .where(items.c.job == name, place > after, items.c.status == pending)
         .where(items.c.dup_of.is_(None))  # a duplicate waits for its first line's answer
-        .order_by(items.c.sched)
+        .order_by(place)
         .limit(limit)
     )
     stmt = (
@@ -177,7 +185,8 @@ def claim(
     )
     now = db_now(conn)  # leases in the database's time, for every host alike
     rows = conn.execute(stmt, {"expires": now + lease_ttl, "now": now}).all()
-    return sorted((claimed_of(row) for row in rows), key=lambda c: c.sched)
+    claimed = (claimed_of(row) for row in rows)
+    return sorted(claimed, key=lambda c: c.sched if by_prefix else c.line)
 
 
 def note_endpoints(conn: Connection, worker: str, endpoints: dict[str, Any] | None) -> None:

@@ -18,10 +18,11 @@ from batchrun.cli_report import summary_line
 from batchrun.config import resolve
 from batchrun.endpoints import parse_endpoint, parse_endpoints
 from batchrun.errors import UsageError
+from batchrun.fleet import Route
 from batchrun.jobs import Home
 from batchrun.ledger import Ledger
 from batchrun.prefixes import PREFIX_CHARS, Grouper, prefix_key
-from batchrun.routes import opened_routes
+from batchrun.routes import by_prefix, opened_routes
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.sim import SimConfig, SimModel, SimTransport
 from batchrun.status_view import job_detail, render_detail
@@ -496,3 +497,15 @@ async def test_a_group_waits_for_its_first_line_to_compute_the_prefix(tmp_path: 
         assert all(q % 2 != lead % 2 for q in during), during
     first_wave = [q for kind, q in events[:8] if kind == "sent"]
     assert first_wave[0] == 0 and len(first_wave) < 8  # not eight cold copies of one prefix
+
+
+def test_auto_order_groups_prefixes_except_against_llama_cpp() -> None:
+    def routes(*backends: str) -> list[Route]:
+        specs = [resolve({"backend": b}) for b in backends]
+        return [Route(f"e{i}", s, backend=None) for i, s in enumerate(specs)]  # type: ignore
+
+    assert by_prefix(resolve({"backend": "vllm"}), routes("vllm"))
+    assert not by_prefix(resolve({"backend": "llamacpp"}), routes("llamacpp"))
+    assert not by_prefix(resolve({"backend": "vllm"}), routes("vllm", "llamacpp"))
+    assert by_prefix(resolve({"backend": "llamacpp", "order": "prefix"}), routes("llamacpp"))
+    assert not by_prefix(resolve({"backend": "vllm", "order": "input"}), routes("vllm"))
