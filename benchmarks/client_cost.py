@@ -193,6 +193,7 @@ def batchrun(url: str, work: Path, args: argparse.Namespace, stream: bool) -> Me
         "--concurrency",
         str(args.concurrency),
         "--quiet",
+        "--no-reuse",  # every run sends its requests (one home: later runs would reuse answers)
         *([] if stream else ["--no-stream"]),
     ]
     measured = child(command)
