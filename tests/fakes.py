@@ -7,9 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
+from click.testing import CliRunner
 
+from batchrun import cli_sim
 from batchrun.config import InputGuards
 from batchrun.inputs import InputReader
+from batchrun.sim import SimModel
 
 
 class FakeTime:
@@ -38,3 +42,20 @@ def input_reader(path: Path, **options: Any) -> InputReader:
     guards = InputGuards(**{k: v for k, v in options.items() if k in names})
     rest = {k: v for k, v in options.items() if k not in names}
     return InputReader(path, guards=guards, **rest)
+
+
+def served_by_sim_cli(monkeypatch: pytest.MonkeyPatch, flags: list[str]) -> SimModel:
+    """The simulator model `batchrun sim FLAGS` would serve (its server not started)."""
+    served: list[SimModel] = []
+
+    class FakeServer:
+        def __init__(self, model: SimModel) -> None:
+            served.append(model)
+
+        async def serve(self, *_args: Any) -> None:
+            return None
+
+    monkeypatch.setattr(cli_sim, "SimServer", FakeServer)
+    result = CliRunner().invoke(cli_sim.sim, ["--port", "0", *flags])
+    assert result.exit_code == 0, result.output
+    return served[0]

@@ -11,12 +11,11 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from click.testing import CliRunner
 
-from batchrun import cli_sim
 from batchrun.backends.metrics_reader import MetricsReader
 from batchrun.server_metrics import ServerLoad, metrics_url, parse_metrics
 from batchrun.sim import SimConfig, SimModel, SimServer, SimTransport
+from tests.fakes import served_by_sim_cli
 from tests.unit.test_capacity import Clock
 
 URL = "http://sim.test/metrics"
@@ -374,16 +373,5 @@ async def test_sim_server_serves_metrics_over_a_real_socket() -> None:
 def test_sim_cli_no_metrics_turns_the_route_off(
     monkeypatch: pytest.MonkeyPatch, flags: list[str], status: int
 ) -> None:
-    served: list[SimModel] = []
-
-    class FakeServer:
-        def __init__(self, model: SimModel) -> None:
-            served.append(model)
-
-        async def serve(self, *_args: Any) -> None:
-            return None
-
-    monkeypatch.setattr(cli_sim, "SimServer", FakeServer)
-    result = CliRunner().invoke(cli_sim.sim, ["--port", "0", *flags])
-    assert result.exit_code == 0, result.output
-    assert served[0].handle("GET", "/metrics", {}, b"").status == status
+    served = served_by_sim_cli(monkeypatch, flags)
+    assert served.handle("GET", "/metrics", {}, b"").status == status

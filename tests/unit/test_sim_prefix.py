@@ -16,6 +16,7 @@ from batchrun.server_metrics import ServerLoad, parse_metrics
 from batchrun.sim import SimConfig, SimModel, prompt_text
 from batchrun.sim.model import WORDS
 from batchrun.sim.prefix_cache import BLOCK_CHARS, PrefixCache, words_within
+from tests.fakes import served_by_sim_cli
 from tests.unit.test_sim import CHAT, COMPLETIONS, json_of, post, sse_data
 
 # --- the block cache --------------------------------------------------------------------------
@@ -271,18 +272,7 @@ def test_sim_options_set_the_capacity() -> None:
 def test_sim_cli_sets_the_capacity(
     monkeypatch: pytest.MonkeyPatch, flags: list[str], blocks: int
 ) -> None:
-    served: list[SimModel] = []
-
-    class FakeServer:
-        def __init__(self, model: SimModel) -> None:
-            served.append(model)
-
-        async def serve(self, *_args: Any) -> None:
-            return None
-
-    monkeypatch.setattr(cli_sim, "SimServer", FakeServer)
-    result = CliRunner().invoke(cli_sim.sim, ["--port", "0", *flags])
-    assert result.exit_code == 0, result.output
-    assert served[0].config.prefix_cache_blocks == blocks
+    served = served_by_sim_cli(monkeypatch, flags)
+    assert served.config.prefix_cache_blocks == blocks
     refused = CliRunner().invoke(cli_sim.sim, ["--port", "0", "--prefix-cache-blocks", "-1"])
     assert refused.exit_code == 2
