@@ -102,6 +102,27 @@ from batchrun.sim.json_answers import JSON_STYLES
 @click.option(
     "--no-metrics", is_flag=True, help="Answer 404 to GET /metrics, like a server without them."
 )
+@click.option(
+    "--batch-seconds",
+    default=SimConfig.batch_seconds,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Batch API: seconds in which a batch's lines are answered.",
+)
+@click.option(
+    "--batch-window-s",
+    default=SimConfig.batch_window_s,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help='Batch API: seconds of a batch\'s "24h" window; a batch not done by then expires.',
+)
+@click.option(
+    "--batch-max-requests",
+    default=SimConfig.batch_max_requests,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Batch API: the most lines an input file may hold.",
+)
 @errors_to_exit_codes
 def sim(
     host: str,
@@ -129,12 +150,16 @@ def sim(
     repair_fails: bool,
     refuse_response_format: bool,
     no_metrics: bool,
+    batch_seconds: float,
+    batch_window_s: float,
+    batch_max_requests: int,
 ) -> None:
     """Serve the built-in OpenAI-compatible simulator (synthetic outputs) until stopped.
 
     GET /sim/stats reports requests, faults injected by kind, prompts answered twice and prefix
     cache hits; GET /metrics the requests running and waiting and the prefix cache's queried and
-    cached tokens, under vLLM's Prometheus names."""
+    cached tokens, under vLLM's Prometheus names. /v1/files and /v1/batches serve OpenAI's
+    Batch API on a time scale (--batch-seconds, --batch-window-s)."""
     api_key = None
     if api_key_env:
         api_key = os.environ.get(api_key_env)
@@ -164,6 +189,9 @@ def sim(
         repair_fixes=not repair_fails,
         refuse_response_format=refuse_response_format,
         metrics=not no_metrics,
+        batch_seconds=batch_seconds,
+        batch_window_s=batch_window_s,
+        batch_max_requests=batch_max_requests,
     )
     server = SimServer(SimModel(config))
 

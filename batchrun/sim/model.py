@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from batchrun.sim.batches import SimBatches
 from batchrun.sim.capacity import Capacity, Refusal
 from batchrun.sim.faults import BODY_FAULTS, STATUS_FAULTS, FaultPlan, body_fault, status_fault
 from batchrun.sim.json_answers import (
@@ -29,37 +30,8 @@ from batchrun.sim.json_answers import (
     pieces,
 )
 from batchrun.sim.prefix_cache import ServedPrefixCache
+from batchrun.sim.words import WORDS
 from batchrun.validate import schema_of
-
-WORDS = (
-    "synthetic",
-    "alpha",
-    "bravo",
-    "charlie",
-    "delta",
-    "echo",
-    "foxtrot",
-    "golf",
-    "hotel",
-    "india",
-    "juliet",
-    "kilo",
-    "lima",
-    "mike",
-    "november",
-    "oscar",
-    "papa",
-    "quebec",
-    "romeo",
-    "sierra",
-    "tango",
-    "uniform",
-    "victor",
-    "whiskey",
-    "xray",
-    "yankee",
-    "zulu",
-)
 
 
 @dataclass(frozen=True)
@@ -97,6 +69,11 @@ class SimConfig:
     # 4096 blocks, about 262k tokens, is the order of the KV cache vLLM has for an 8B model on
     # one 80 GB GPU: a few hundred 1,000-token system prompts fit; long unique prompts evict.
     prefix_cache_blocks: int = 4096
+    # The Batch API (batches.py): a batch's lines answered over `batch_seconds`, its "24h"
+    # window `batch_window_s` seconds long, and the most lines an input file may hold.
+    batch_seconds: float = 2.0
+    batch_window_s: float = 60.0
+    batch_max_requests: int = 50_000
 
 
 @dataclass
@@ -190,6 +167,13 @@ class SimModel:
         self.answered: set[int] = set()  # prompts (by digest) that got a complete answer
         self.resent = 0  # complete answers to a prompt that already had one
         self.prefix_cache = ServedPrefixCache.of(capacity_blocks=cfg.prefix_cache_blocks)
+        self.batches = SimBatches(
+            self._batch_line,
+            seconds=cfg.batch_seconds,
+            window_s=cfg.batch_window_s,
+            max_requests=cfg.batch_max_requests,
+            clock=clock,
+        )
 
     def stats(self) -> dict[str, Any]:
         """What `GET /sim/stats` reports: requests, faults injected by kind, re-sent prompts, and
@@ -203,7 +187,7 @@ class SimModel:
         }
 
     def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Reply:
-        path = path.split("?", 1)[0].rstrip("/")
+        target, path = path, path.split("?", 1)[0].rstrip("/")
         if self.config.api_key is not None:
             key = self.config.api_key
             bearer = headers.get("authorization", "") == f"Bearer {key}"
@@ -226,6 +210,11 @@ class SimModel:
             return _json_reply(200, self.stats())
         if method == "GET" and path == "/metrics" and self.config.metrics:
             return self._metrics()
+        if path.startswith(("/v1/files", "/v1/batches")):
+            status, payload = self.batches.handle(method, target, headers, body)
+            if isinstance(payload, bytes):  # a file's content
+                return Reply(status, {"content-type": "application/octet-stream"}, payload)
+            return _json_reply(status, payload)
         endpoints = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
         endpoint = endpoints.get(path)
         if endpoint is None or method != "POST":
@@ -337,6 +326,11 @@ class SimModel:
         reply = _json_reply(200, payload, delay=ttft + tpot * (n_out - 1))
         reply.headers.update(headers)
         return reply
+
+    def _batch_line(self, endpoint: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        """One line of a batch, answered as a request would be (0: the connection dropped)."""
+        reply = self.complete(endpoint, body)
+        return (500 if reply.fault else reply.status), reply.body
 
     def _metrics(self) -> Reply:
         """The load under vLLM's Prometheus names, so a server-aware client can be tested here."""

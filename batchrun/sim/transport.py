@@ -41,7 +41,8 @@ class SimTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         body = await request.aread()
         headers = {k.lower(): v for k, v in request.headers.items()}
-        reply: Reply = self.model.handle(request.method, request.url.path, headers, body)
+        target = request.url.raw_path.decode("ascii")  # with its query (?limit=, ?after=)
+        reply: Reply = self.model.handle(request.method, target, headers, body)
         if reply.fault == "reset":
             raise httpx.RemoteProtocolError("server disconnected without a response (simulated)")
         if reply.fault == "hang":
