@@ -12,6 +12,7 @@ __version__ = "0.1.0"  # before the imports: modules below read it
 
 from batchrun.api import (
     JobReport,
+    cancel,
     export,
     list_jobs,
     results,
@@ -48,6 +49,7 @@ __all__ = [
     "RunOptions",
     "UsageError",
     "__version__",
+    "cancel",
     "export",
     "gc",
     "list_jobs",

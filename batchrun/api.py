@@ -24,11 +24,12 @@ from typing import Any, Unpack
 
 import anyio
 
+from batchrun import hosted
 from batchrun import jobs as verbs
 from batchrun.config import RunOptions, RunSpec, load_spec_file
 from batchrun.errors import UsageError
 from batchrun.jobs import Home
-from batchrun.ledger import IngestReport, Job, Ledger, shown_url
+from batchrun.ledger import IngestReport, Job, Ledger, left, shown_url
 from batchrun.outputs import FORMATS, Result, result_of
 from batchrun.progress import ProgressUpdate
 from batchrun.row_input import write_rows
@@ -209,6 +210,16 @@ def retry(job: str, *, home: PathLike = ".", ledger: str | None = None) -> int:
         return led.requeue(_job(led, where, job).name)
 
 
+def cancel(job: str, *, home: PathLike = ".", ledger: str | None = None) -> list[str]:
+    """Cancel the job's running hosted batches (`--mode batch`); their ids. What they answered
+    before stopping is collected by the next `resume`; the rest goes back to pending."""
+    where = _home(home, ledger)
+    with _ledger(where, existing=True) as led:
+        found = _job(led, where, job)
+        spec = verbs.job_spec(found)
+        return anyio.run(functools.partial(hosted.cancel_batches, led, found.name, spec))
+
+
 def export(
     job: str,
     *,
@@ -257,7 +268,7 @@ async def _run(led: Ledger, where: Home, name: str, spec: RunSpec, listen: _List
     """Run what is left, then finish: results written once no item is left."""
     counts, started = led.counts(name), time.time()
     stats, notes = RunStats(), tuple[str, ...]()
-    if counts["pending"] or counts["running"]:
+    if left(counts):
         stats = await verbs.run_job(
             led,
             where,
@@ -283,7 +294,7 @@ async def _run(led: Ledger, where: Home, name: str, spec: RunSpec, listen: _List
 def _standing(led: Ledger, where: Home, name: str) -> JobReport:
     """Where a job stands, nothing run."""
     counts = led.counts(name)
-    complete = counts["pending"] + counts["running"] == 0
+    complete = left(counts) == 0
     output = where.output_path(name)
     return JobReport(name, counts, complete, output if complete and output.exists() else None)
 
@@ -395,5 +406,5 @@ def _left(led: Ledger, name: str, run: bool) -> str:
     if run:
         return "resuming it"
     counts = led.counts(name)
-    waiting = counts["pending"] + counts["running"]
+    waiting = left(counts)
     return f"nothing loaded (--no-run); {waiting} item(s) still to send: `batchrun resume {name}`"

@@ -93,6 +93,31 @@ RUN_OPTIONS: list[Callable[[F], F]] = [
         "NAME=URL[,model=M][,key=VAR][,backend=PRESET][,weight=W][,rpm=R][,tpm=T].",
     ),
     click.option(
+        "--mode",
+        type=click.Choice(["online", "batch"]),
+        help="online: ordinary requests; batch: the provider's Batch API (/v1/batches), at its "
+        "discount, answers within its window [online].",
+    ),
+    click.option(
+        "--then",
+        type=click.Choice(["none", "online"]),
+        help="After --mode batch: send what batches left (failed, expired) as ordinary "
+        "requests (online), or leave it pending [none].",
+    ),
+    click.option(
+        "--batch-max-requests",
+        type=click.IntRange(min=1),
+        help="Lines per batch file at most [50000].",
+    ),
+    click.option(
+        "--batch-max-bytes", type=click.IntRange(min=1000), help="Bytes per batch file [200MB]."
+    ),
+    click.option(
+        "--poll-interval",
+        type=click.FloatRange(min=0, min_open=True),
+        help="Seconds between looks at a running batch, at the longest [30].",
+    ),
+    click.option(
         "--order",
         type=click.Choice(["auto", "prefix", "input"]),
         help="Send lines sharing a long prompt prefix together (prefix), or in input order; "
@@ -341,6 +366,17 @@ def retry(ctx: Context, job_name: str) -> None:
     """Put JOB_NAME's failed and invalid items back to pending (then run `resume`)."""
     count = api.retry(job_name, **ctx.where)
     say(f"{count} item(s) of {job_name} back to pending; run `batchrun resume {job_name}`")
+
+
+@main.command()
+@click.argument("job_name")
+@pass_ctx
+@errors_to_exit_codes
+def cancel(ctx: Context, job_name: str) -> None:
+    """Cancel JOB_NAME's running hosted batches (--mode batch); `resume` then collects what
+    they answered, and the rest goes back to pending."""
+    ids = api.cancel(job_name, **ctx.where)
+    say(f"cancelled {len(ids)} batch(es) of {job_name}" + (f": {', '.join(ids)}" if ids else ""))
 
 
 @main.command()

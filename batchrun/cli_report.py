@@ -19,12 +19,13 @@ from batchrun.cli_errors import (
 )
 from batchrun.fleet import EndpointUse
 from batchrun.ledger import FINAL_STATUSES
+from batchrun.ledger import left as open_items
 from batchrun.progress import ProgressUpdate
 
 
 def exit_code(report: JobReport) -> int:
     counts, stats = report.counts, report.stats
-    left = counts["pending"] + counts["running"]
+    left = open_items(counts)
     if stats.aborted and left:
         return EXIT_ABORTED
     if stats.interrupted and left:
@@ -38,7 +39,9 @@ def exit_code(report: JobReport) -> int:
 def summary_line(report: JobReport) -> str:
     name, counts, stats = report.job, report.counts, report.stats
     parts = [f"job {name}:"] + [
-        f"{counts[s]} {s}" for s in (*FINAL_STATUSES, "pending") if counts[s] or s == "done"
+        f"{counts[s]} {s}"
+        for s in (*FINAL_STATUSES, "pending", "batched")
+        if counts[s] or s == "done"
     ]
     text = " ".join(parts[:2]) + (", " + ", ".join(parts[2:]) if len(parts) > 2 else "")
     if stats.requests:
@@ -52,6 +55,10 @@ def summary_line(report: JobReport) -> str:
         text += f", {stats.duplicates} repeated lines answered once" if stats.duplicates else ""
     if report.workers > 1:
         text += f" | {report.workers} workers"
+    if stats.batches or stats.batch_tokens:
+        text += (
+            f" | {stats.batches} batch(es) created, {stats.batch_tokens:,} tokens at batch rates"
+        )
     if len(stats.endpoints) > 1:
         text += " | endpoints: " + ", ".join(_endpoint_use(e) for e in stats.endpoints)
     if stats.repairs:

@@ -95,6 +95,13 @@ class RunSpec:
     # Claim order: lines sharing a long prompt prefix together ("prefix"), or "input"; "auto":
     # prefix, but input against llama.cpp's server (its slots' caches are not shared).
     order: str = "auto"
+    # The Batch API (hosted.py): "batch" sends pending items as hosted batches; then "online"
+    # sends what they leave (failed, expired) as ordinary requests.
+    mode: str = "online"
+    then: str = "none"
+    batch_max_requests: int = 50_000  # per batch file (OpenAI's limit)
+    batch_max_bytes: int = 200_000_000  # ... and its size (OpenAI: 200 MB)
+    poll_interval: float = 30.0  # seconds between looks at a running batch, at the longest
     stream: bool = True
     concurrency: int | str = "auto"  # "auto": the adaptive controller (controller.py), or a number
     max_concurrency: int = 256  # the most "auto" may reach
@@ -177,6 +184,11 @@ class RunOptions(TypedDict, total=False):
     endpoint: str | None  # "chat" or "completions"
     endpoints: list[str] | tuple[str, ...] | None  # NAME=URL[,model=..]: several endpoints
     order: str | None  # "auto", "prefix" (a long shared prompt prefix together) or "input"
+    mode: str | None  # "online", or "batch": the provider's Batch API
+    then: str | None  # "none", or "online": what batches leave goes as ordinary requests
+    batch_max_requests: int | None
+    batch_max_bytes: int | None
+    poll_interval: float | None
     stream: bool | None
     concurrency: int | str | None  # a number, or "auto"
     max_concurrency: int | None
@@ -332,6 +344,13 @@ def _validate(spec: RunSpec, preset: Preset | None) -> None:
             raise UsageError(f"--endpoint {e.name}: key= must be the NAME of a variable")
         if e.backend and e.backend not in PRESETS:
             raise UsageError(f"--endpoint {e.name}: unknown backend {e.backend!r}")
+    if spec.mode not in ("online", "batch") or spec.then not in ("none", "online"):
+        raise OptionError("{mode} must be online or batch, and {then} none or online")
+    if spec.batch_max_requests < 1 or spec.batch_max_bytes < 1000 or spec.poll_interval <= 0:
+        raise OptionError(
+            "{batch_max_requests} must be at least 1, {batch_max_bytes} at least 1000 and "
+            "{poll_interval} positive"
+        )
     if spec.order not in ORDERS:
         raise OptionError(f"{{order}} must be one of {', '.join(ORDERS)}")
     if isinstance(spec.concurrency, int) and spec.concurrency < 1:

@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 
-from batchrun import reuse
+from batchrun import hosted, reuse
 from batchrun.backends import Transport
 from batchrun.backends.build import sim_config
 from batchrun.budget import Budget
@@ -27,7 +27,7 @@ from batchrun.errors import (
     UsageError,
 )
 from batchrun.inputs import InputReader, file_digest
-from batchrun.ledger import FINAL_STATUSES, IngestReport, Job, Ledger
+from batchrun.ledger import FINAL_STATUSES, IngestReport, Job, Ledger, left
 from batchrun.limiter import estimate_split
 from batchrun.outputs import FORMATS, write_results
 from batchrun.progress import JobLog, Progress, ProgressUpdate
@@ -252,7 +252,61 @@ async def run_job(
     on_progress: Callable[[ProgressUpdate], None] | None = None,
     on_message: Callable[[str], None] | None = None,
 ) -> RunStats:
-    """Run every item that is not final yet. Ctrl-C/SIGTERM stop it gracefully."""
+    """Run every item that is not final yet: as hosted batches with --mode batch (or while
+    batches of the job are open), then, with --then online (or --mode online), as ordinary
+    requests. Ctrl-C/SIGTERM stop it gracefully."""
+    batched = None
+    if spec.mode == "batch" or ledger.chunks.listed(name, open_only=True):
+        log = JobLog(home.log_path(name), name, redact=spec.redact)
+        try:
+            batched = await hosted.run_batches(
+                ledger,
+                name,
+                spec,
+                log=log,
+                rules=output_rules(spec),
+                transport=transport,
+                handle_signals=handle_signals,
+            )
+        finally:
+            log.close()
+        online = spec.mode == "online" or spec.then == "online"
+        if (
+            batched.aborted
+            or batched.interrupted
+            or not online
+            or not ledger.counts(name)["pending"]
+        ):
+            return batched
+    stats = await _run_online(
+        ledger,
+        home,
+        name,
+        spec,
+        transport=transport,
+        settings=settings,
+        handle_signals=handle_signals,
+        on_progress=on_progress,
+        on_message=on_message,
+    )
+    if batched is not None:
+        stats.recorded += batched.recorded
+        stats.batches, stats.batch_tokens = batched.batches, batched.batch_tokens
+    return stats
+
+
+async def _run_online(
+    ledger: Ledger,
+    home: Home,
+    name: str,
+    spec: RunSpec,
+    *,
+    transport: Transport | None = None,
+    settings: RunnerSettings | None = None,
+    handle_signals: bool = True,
+    on_progress: Callable[[ProgressUpdate], None] | None = None,
+    on_message: Callable[[str], None] | None = None,
+) -> RunStats:
     rules = output_rules(spec)
     settings = settings or RunnerSettings(lease_ttl=spec.lease)
     log = JobLog(home.log_path(name), name, redact=spec.redact)
@@ -349,7 +403,7 @@ def finish(ledger: Ledger, home: Home, name: str, spec: RunSpec) -> tuple[dict[s
     by the worker that finds it complete first (two ending at once may both write it: the
     same lines, atomically), and again when the file is missing."""
     counts = ledger.counts(name)
-    complete = counts["pending"] == 0 and counts["running"] == 0
+    complete = left(counts) == 0
     if not complete:
         return counts, complete
     path, job = home.output_path(name), ledger.get_job(name)

@@ -36,6 +36,8 @@ class RunStats:
     reused: int = 0  # items answered from earlier jobs before sending
     duplicates: int = 0  # lines that waited for an identical line's answer
     endpoints: list[EndpointUse] = field(default_factory=list)  # what each endpoint did
+    batches: int = 0  # hosted Batch API batches created (--mode batch)
+    batch_tokens: int = 0  # tokens their answers used, billed at the batch rate
 
 
 BUSY_PATIENCE_S = 600.0  # how long to wait for another process's ledger lock (a long ingest)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from batchrun.ledger import STATUSES, Job, Ledger, Worker
+from batchrun.ledger import STATUSES, Job, Ledger, Worker, left
 from batchrun.run_state import LEASE_TTL
 
 
@@ -14,7 +14,7 @@ def _state(counts: dict[str, int], attempts: int, live: list[Worker]) -> str:
         return f"running (pid {live[0].pid} on {live[0].host})"
     if live:
         return f"running ({len(live)} workers)"
-    if counts["pending"] or counts["running"]:
+    if left(counts):
         return "stopped" if attempts else "not started"  # no request recorded for any item
     bad = counts["failed"] + counts["invalid"] + counts["rejected"]
     return "complete" if not bad else "complete with failures"

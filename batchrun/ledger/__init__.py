@@ -1,19 +1,23 @@
 """The ledger: the only code that imports SQLAlchemy."""
 
+from batchrun.ledger.chunks import Chunk
 from batchrun.ledger.engine import shown_url
 from batchrun.ledger.records import ClaimedItem, IngestReport, ItemResult, Job
-from batchrun.ledger.schema import FINAL_STATUSES, STATUSES
+from batchrun.ledger.schema import FINAL_STATUSES, OPEN_STATUSES, STATUSES, left
 from batchrun.ledger.store import Ledger
 from batchrun.ledger.workers import Worker
 
 __all__ = [
     "FINAL_STATUSES",
+    "OPEN_STATUSES",
     "STATUSES",
+    "Chunk",
     "ClaimedItem",
     "IngestReport",
     "ItemResult",
     "Job",
     "Ledger",
     "Worker",
+    "left",
     "shown_url",
 ]

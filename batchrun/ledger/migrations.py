@@ -25,6 +25,7 @@ from batchrun.errors import LedgerError
 from batchrun.ledger.dialect import WRITE_OPTION, dialect_of
 from batchrun.ledger.engine import make_engine, storage_errors
 from batchrun.ledger.schema import (
+    chunks,
     items,
     items_id_unique,
     items_reuse,
@@ -90,6 +91,12 @@ def _v6_endpoints_and_order(conn: Connection) -> None:
     items_sched.create(conn, checkfirst=True)
 
 
+def _v7_hosted_batches(conn: Connection) -> None:
+    if "chunk" not in {c["name"] for c in inspect(conn).get_columns("items")}:
+        conn.execute(text("ALTER TABLE items ADD COLUMN chunk INTEGER"))
+    chunks.create(conn, checkfirst=True)
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "initial jobs and items", _v1_initial),
     (2, "jobs.limit_history for --concurrency auto", _v2_limit_history),
@@ -101,6 +108,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
         "items.answered_by and sched, workers.endpoints: endpoints, prefix order",
         _v6_endpoints_and_order,
     ),
+    (7, "items.chunk and chunks: hosted Batch API batches", _v7_hosted_batches),
 ]
 
 

@@ -38,6 +38,18 @@ def stored_of(row: RowMapping) -> StoredItem:
     )
 
 
+# What a claim hands out, in claimed_of's order.
+CLAIMED_COLUMNS = (
+    items.c.line,
+    items.c.item_id,
+    items.c.endpoint,
+    items.c.body,
+    items.c.digest,
+    items.c.attempts,
+    items.c.sched,
+)
+
+
 def claimed_of(row: Row[Any]) -> ClaimedItem:
     """A claimed row (line, item_id, endpoint, body, digest, attempts, sched), its body
     parsed and its prefix group read from its place in the order."""

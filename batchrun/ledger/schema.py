@@ -17,8 +17,16 @@ from sqlalchemy import (
 
 metadata = MetaData()
 
-STATUSES = ("pending", "running", "done", "failed", "invalid", "rejected")
+# "batched": in a hosted Batch API batch (see chunks); neither claimable nor reclaimed.
+STATUSES = ("pending", "running", "batched", "done", "failed", "invalid", "rejected")
 FINAL_STATUSES = ("done", "failed", "invalid", "rejected")
+OPEN_STATUSES = ("pending", "running", "batched")  # what a job still has to finish
+
+
+def left(counts: dict[str, int]) -> int:
+    """Items still to finish (pending, running, in a hosted batch)."""
+    return sum(counts.get(s, 0) for s in OPEN_STATUSES)
+
 
 schema_migrations = Table(
     "schema_migrations",
@@ -107,6 +115,7 @@ items = Table(
     # without a group, or with --order input: input order).
     Column("answered_by", String(200)),
     Column("sched", BigInteger),
+    Column("chunk", Integer),  # the hosted batch it went out in (migration 7)
     # Rows live in (job, line) order in the primary-key B-tree itself: one B-tree fewer to
     # maintain on ingest, and claims walk it as a range scan.
     sqlite_with_rowid=False,
@@ -149,4 +158,22 @@ waits = Table(
     Column("job", String(200), primary_key=True),
     Column("leader", Integer, primary_key=True),
     Column("line", Integer, primary_key=True),
+)
+
+
+# A job's chunks sent through a hosted Batch API (migration 7). The row is written before the
+# upload (state "intent"), the file id after it, the batch id after the create, so a restart
+# at any moment knows what may exist at the provider (see hosted.py).
+chunks = Table(
+    "chunks",
+    metadata,
+    Column("job", String(200), primary_key=True),
+    Column("chunk", Integer, primary_key=True),
+    Column("state", String(32), nullable=False),  # intent, the provider's states, collected
+    Column("input_file", String(200)),
+    Column("batch_id", String(200)),
+    Column("lines", Integer, nullable=False),
+    Column("counts", Text),  # the provider's request counts, JSON
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
 )

@@ -16,6 +16,7 @@ from sqlalchemy.exc import IntegrityError
 
 from batchrun.errors import EmptyInput, InputError, JobExists
 from batchrun.ledger import gc, reuse, stats, workers
+from batchrun.ledger.chunks import ChunkStore
 from batchrun.ledger.dialect import WRITE_OPTION, dialect_of
 from batchrun.ledger.engine import storage_errors
 from batchrun.ledger.gc import Collected
@@ -41,6 +42,7 @@ class Ledger:
         self.url = url
         self.engine = ready_engine(url, engine)
         self.dialect = dialect_of(self.engine)
+        self.chunks = ChunkStore(self)  # hosted Batch API batches (chunks.py)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -247,25 +249,27 @@ class Ledger:
             )
 
     def record(
-        self, name: str, owner: str, results: list[ItemResult], *, answer_spec: str | None = None
+        self,
+        name: str,
+        owner: str,
+        results: list[ItemResult],
+        *,
+        answer_spec: str | None = None,
+        chunk: int | None = None,
     ) -> int:
         """Commit a group of results in one transaction, made under `answer_spec` (see
         reuse.py); lines waiting for the same request get them too. Returns how many of the
-        group's rows changed. The guard (still running, still ours) makes a late or
-        duplicate result a no-op."""
+        group's rows changed. The guard (still running, still ours; or with `chunk`, still in
+        that hosted batch) makes a late or duplicate result a no-op."""
         if not results:
             return 0
         now = time.time()
+        ours = and_(items.c.status == "running", items.c.owner == owner)
+        if chunk is not None:
+            ours = and_(items.c.status == "batched", items.c.chunk == chunk)
         stmt = (
             update(items)
-            .where(
-                and_(
-                    items.c.job == name,
-                    items.c.line == bindparam("b_line"),
-                    items.c.status == "running",
-                    items.c.owner == owner,
-                )
-            )
+            .where(and_(items.c.job == name, items.c.line == bindparam("b_line"), ours))
             .values(
                 status=bindparam("b_status"),
                 attempts=items.c.attempts + bindparam("b_attempts"),

@@ -36,7 +36,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from batchrun.errors import OptionError
 from batchrun.ledger.dialect import dialect_of
 from batchrun.ledger.records import ClaimedItem
-from batchrun.ledger.rows import claimed_of
+from batchrun.ledger.rows import CLAIMED_COLUMNS, claimed_of
 from batchrun.ledger.schema import items, jobs, workers
 
 
@@ -173,15 +173,7 @@ def claim(
             lease_expires=bindparam("expires"),
             updated_at=bindparam("now"),
         )
-        .returning(
-            items.c.line,
-            items.c.item_id,
-            items.c.endpoint,
-            items.c.body,
-            items.c.digest,
-            items.c.attempts,
-            items.c.sched,
-        )
+        .returning(*CLAIMED_COLUMNS)
     )
     now = db_now(conn)  # leases in the database's time, for every host alike
     rows = conn.execute(stmt, {"expires": now + lease_ttl, "now": now}).all()

@@ -145,6 +145,7 @@ def test_public_names_are_exactly_these() -> None:
             "resume",
             "resume_async",
             "retry",
+            "cancel",
             "status",
             "submit",
             "submit_async",

@@ -1,0 +1,136 @@
+"""A job's hosted Batch API chunks: which items went out in which batch, and how far each got.
+
+A chunk's row and its items' `batched` status are written in one transaction before anything
+is uploaded; the provider's file id and batch id are each recorded as soon as they are known.
+Items of a chunk are neither claimed nor reclaimed by online workers; when the chunk's results
+are recorded, what it did not answer goes back to pending.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from sqlalchemy import and_, func, insert, select, update
+
+from batchrun.ledger.records import ClaimedItem
+from batchrun.ledger.rows import CLAIMED_COLUMNS, claimed_of
+from batchrun.ledger.schema import chunks, items
+
+CLOSED = ("collected",)  # results recorded and the rest put back: nothing more to do
+
+
+@dataclass(frozen=True)
+class Chunk:
+    job: str
+    chunk: int
+    state: str  # intent, validating, in_progress, finalizing, completed, expired, ...
+    input_file: str | None
+    batch_id: str | None
+    lines: int
+    counts: dict[str, Any] | None
+
+
+class ChunkStore:
+    """The chunk verbs, over a Ledger's connections (`ledger.chunks`)."""
+
+    def __init__(self, ledger: Any) -> None:
+        self._ledger = ledger
+
+    def listed(self, job: str, *, open_only: bool = False) -> list[Chunk]:
+        query = select(chunks).where(chunks.c.job == job).order_by(chunks.c.chunk)
+        if open_only:
+            query = query.where(chunks.c.state.not_in(CLOSED))
+        with self._ledger._read("reading batches") as conn:
+            rows = conn.execute(query).mappings().all()
+        return [
+            Chunk(
+                r["job"],
+                r["chunk"],
+                r["state"],
+                r["input_file"],
+                r["batch_id"],
+                r["lines"],
+                orjson.loads(r["counts"]) if r["counts"] else None,
+            )
+            for r in rows
+        ]
+
+    def pending(self, job: str, limit: int) -> list[ClaimedItem]:
+        """Up to `limit` pending items in line order (not those waiting for a duplicate)."""
+        query = (
+            select(*CLAIMED_COLUMNS)
+            .where(items.c.job == job, items.c.status == "pending", items.c.dup_of.is_(None))
+            .order_by(items.c.line)
+            .limit(limit)
+        )
+        with self._ledger._read("reading pending items") as conn:
+            return [claimed_of(row) for row in conn.execute(query)]
+
+    def start(self, job: str, lines: list[int]) -> tuple[int, list[int]]:
+        """A new chunk of these lines (those still pending), in state `intent`: (its number,
+        its lines)."""
+        now = time.time()
+        with self._ledger._write("starting a batch") as conn:
+            last = conn.execute(select(func.max(chunks.c.chunk)).where(chunks.c.job == job))
+            number = (last.scalar() or 0) + 1
+            taken = conn.execute(
+                update(items)
+                .where(items.c.job == job, items.c.line.in_(lines), items.c.status == "pending")
+                .values(status="batched", chunk=number, updated_at=now)
+                .returning(items.c.line)
+            ).scalars()
+            mine = sorted(taken)
+            if mine:
+                conn.execute(
+                    insert(chunks).values(
+                        job=job,
+                        chunk=number,
+                        state="intent",
+                        lines=len(mine),
+                        created_at=now,
+                        updated_at=now,
+                    )
+                )
+        return number, mine
+
+    def lines(self, job: str, chunk: int) -> list[ClaimedItem]:
+        """The items a chunk holds (still `batched`)."""
+        query = (
+            select(*CLAIMED_COLUMNS)
+            .where(items.c.job == job, items.c.status == "batched", items.c.chunk == chunk)
+            .order_by(items.c.line)
+        )
+        with self._ledger._read("reading a batch's items") as conn:
+            return [claimed_of(row) for row in conn.execute(query)]
+
+    def note(self, job: str, chunk: int, **values: Any) -> None:
+        """Record what is known of a chunk: input_file, batch_id, state, counts."""
+        if "counts" in values:
+            values["counts"] = orjson.dumps(values["counts"]).decode()
+        with self._ledger._write("noting a batch") as conn:
+            conn.execute(
+                update(chunks)
+                .where(chunks.c.job == job, chunks.c.chunk == chunk)
+                .values(updated_at=time.time(), **values)
+            )
+
+    def close(self, job: str, chunk: int) -> int:
+        """The chunk's results are in: what it did not answer goes back to pending; how many."""
+        now = time.time()
+        with self._ledger._write("closing a batch") as conn:
+            back = conn.execute(
+                update(items)
+                .where(
+                    and_(items.c.job == job, items.c.status == "batched", items.c.chunk == chunk)
+                )
+                .values(status="pending", updated_at=now)
+            ).rowcount
+            conn.execute(
+                update(chunks)
+                .where(chunks.c.job == job, chunks.c.chunk == chunk)
+                .values(state="collected", updated_at=now)
+            )
+        return int(back)
