@@ -486,7 +486,7 @@ def test_migrations_bring_an_older_ledger_up_to_date(tmp_path: Path) -> None:
     )
     conn.close()
     engine = make_engine(f"sqlite:///{db}")
-    assert migrate(engine) == 5  # v2 to v6 ran
+    assert migrate(engine) == 6  # v2 to v7 ran
     assert "limit_history" in {c["name"] for c in inspect(engine).get_columns("jobs")}
     assert {
         "repairs",
@@ -498,11 +498,12 @@ def test_migrations_bring_an_older_ledger_up_to_date(tmp_path: Path) -> None:
         "dup_of",
         "answered_by",
         "sched",
+        "chunk",
     } <= {c["name"] for c in inspect(engine).get_columns("items")}
     assert {"ix_items_reuse", "ix_items_sched"} <= {
         i["name"] for i in inspect(engine).get_indexes("items")
     }
-    assert "waits" in inspect(engine).get_table_names()
+    assert {"waits", "chunks"} <= set(inspect(engine).get_table_names())
     assert migrate(engine) == 0
     ledger = Ledger(f"sqlite:///{db}")
     job = ledger.get_job("old")
