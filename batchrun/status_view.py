@@ -51,6 +51,16 @@ def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
         "workers": [_worker(w, now, lease) for w in workers],
         **stats,
         "endpoints": _endpoints(answered, workers, now, lease),
+        "batches": [
+            {
+                "chunk": c.chunk,
+                "id": c.batch_id,
+                "state": c.state,
+                "lines": c.lines,
+                "counts": c.counts,
+            }
+            for c in ledger.chunks.listed(job.name)
+        ],
     }
 
 
@@ -156,6 +166,13 @@ def render_detail(d: dict[str, Any]) -> str:
         lines.append(
             f"endpoint   {e['name']}: {e['state']}{why}, {items}, {e['per_s']} answers/s, "
             f"{e['errors']} errors, limit {e['limit']}"
+        )
+    for b in d["batches"][-8:]:
+        tally = b["counts"] or {}
+        done = f", {tally.get('completed', 0)} completed, {tally.get('failed', 0)} failed"
+        lines.append(
+            f"batch      {b['chunk']} {b['id'] or '(not created)'}: {b['state']}, "
+            f"{b['lines']} lines{done if tally else ''}"
         )
     for w in d["workers"][-8:]:  # the latest: a nightly job gains a worker a run
         lines.append(

@@ -11,14 +11,14 @@ import psycopg
 SQLITE_AUDIT = """
 CREATE TABLE audit (job TEXT, line INTEGER);
 CREATE TRIGGER audit_results AFTER UPDATE ON items
-WHEN OLD.status = 'running' AND NEW.status IN ('done', 'failed', 'invalid')
+WHEN OLD.status IN ('running', 'batched') AND NEW.status IN ('done', 'failed', 'invalid')
 BEGIN INSERT INTO audit VALUES (NEW.job, NEW.line); END;
 """
 POSTGRES_AUDIT = """
 CREATE TABLE audit (job text, line integer);
 CREATE FUNCTION audit_result() RETURNS trigger AS $$
 BEGIN
-  IF OLD.status = 'running' AND NEW.status IN ('done', 'failed', 'invalid') THEN
+  IF OLD.status IN ('running', 'batched') AND NEW.status IN ('done', 'failed', 'invalid') THEN
     INSERT INTO audit VALUES (NEW.job, NEW.line);
   END IF;
   RETURN NEW;
@@ -64,7 +64,8 @@ class Outside:
             return {}
         return {str(status): int(str(n)) for status, n in rows}
 
-    def committed_once(self, lines: int) -> bool:
-        """Every line 1..lines committed exactly once, by the audit's count."""
-        per_line = dict(self.query("SELECT line, count(*) FROM audit GROUP BY line"))
+    def committed_once(self, lines: int, job: str | None = None) -> bool:
+        """Every line 1..lines committed exactly once (of one job, or all), by the audit."""
+        where = f" WHERE job = '{job}'" if job else ""
+        per_line = dict(self.query(f"SELECT line, count(*) FROM audit{where} GROUP BY line"))
         return sorted(per_line) == list(range(1, lines + 1)) and set(per_line.values()) == {1}

@@ -184,6 +184,7 @@ class SimModel:
             "resent_after_success": self.resent,
             "faults": dict(self.faults.injected),
             **self.prefix_cache.stats(),
+            **({"batches_created": self.batches.created} if self.batches.created else {}),
         }
 
     def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Reply:
