@@ -161,6 +161,11 @@ class HostedRun:
                 result = self._result(items, record)
                 if result is not None:
                     results.append(result)
+        failures: dict[str, int] = {}  # why the provider failed lines, for the log
+        if batch.get("error_file_id"):
+            for record in _records(await self.api.content(batch["error_file_id"])):
+                why = _failure(record)
+                failures[why] = failures.get(why, 0) + 1
         recorded = self.ledger.record(
             self.name, "", results, answer_spec=self._answer_spec, chunk=chunk.chunk
         )
@@ -174,6 +179,7 @@ class HostedRun:
             status=batch["status"],
             recorded=recorded,
             back_to_pending=back,
+            failures=failures,
         )
 
     def _result(self, items: dict[int, ClaimedItem], record: dict[str, Any]) -> ItemResult | None:
@@ -209,6 +215,16 @@ class HostedRun:
             error=outcome.error,
             answered_by="batch",  # `status` counts what batches answered like an endpoint
         )
+
+
+def _failure(record: dict[str, Any]) -> str:
+    """An error file line's reason: its error code, or its response's HTTP status."""
+    error = record.get("error")
+    if isinstance(error, dict) and error.get("code"):
+        return str(error["code"])
+    response = record.get("response")
+    status = response.get("status_code") if isinstance(response, dict) else None
+    return f"HTTP {status}" if status else "unknown"
 
 
 def _records(content: bytes) -> list[dict[str, Any]]:

@@ -111,3 +111,13 @@ async def test_a_run_killed_at_each_point_resumes_without_a_second_batch(
     assert model.batches.created == 1  # adopted or created once, never twice
     assert model.requests == 12
     assert stats.aborted is None
+
+
+@pytest.mark.anyio
+async def test_the_error_file_says_why_lines_went_back(tmp_path: Path) -> None:
+    ledger, home, spec = load(tmp_path, 30)
+    await run(ledger, home, spec, sim(faults={"503": 0.3}, fault_seed=2))
+    events = [json.loads(x) for x in (tmp_path / "logs" / "j.log").read_text().splitlines()]
+    (collected,) = [e for e in events if e["event"] == "batch_collected"]
+    assert collected["failures"] == {"HTTP 503": collected["back_to_pending"]}
+    assert collected["recorded"] + collected["back_to_pending"] == 30
