@@ -258,7 +258,8 @@ async def run_job(
     batched = None
     if spec.mode == "batch" or ledger.chunks.listed(name, open_only=True):
         log = JobLog(home.log_path(name), name, redact=spec.redact)
-        try:
+        try:  # earlier jobs' answers and repeated lines first: pay only for what changed
+            await anyio.to_thread.run_sync(_reuse, ledger, name, spec, log)
             batched = await hosted.run_batches(
                 ledger,
                 name,

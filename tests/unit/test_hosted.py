@@ -12,6 +12,7 @@ import pytest
 
 from batchrun import hosted, jobs
 from batchrun.config import resolve
+from batchrun.errors import UsageError
 from batchrun.jobs import Home
 from batchrun.ledger import Ledger
 from batchrun.run_state import RunnerSettings, RunStats
@@ -121,3 +122,25 @@ async def test_the_error_file_says_why_lines_went_back(tmp_path: Path) -> None:
     (collected,) = [e for e in events if e["event"] == "batch_collected"]
     assert collected["failures"] == {"HTTP 503": collected["back_to_pending"]}
     assert collected["recorded"] + collected["back_to_pending"] == 30
+
+
+@pytest.mark.anyio
+async def test_a_nightly_rerun_in_batch_mode_sends_only_what_changed(tmp_path: Path) -> None:
+    ledger, home, spec = load(tmp_path, 20)
+    model = sim()
+    await run(ledger, home, spec, model)
+    lines = [{"id": f"p{i}", "prompt": f"prompt number {i}"} for i in range(25)]  # 5 new
+    (tmp_path / "night2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    jobs.create_job(ledger, "n2", tmp_path / "night2.jsonl", spec)
+    stats = await jobs.run_job(
+        ledger, home, "n2", spec, transport=SimTransport(model), handle_signals=False
+    )
+    assert ledger.counts("n2")["done"] == 25 and stats.batches == 1
+    assert model.requests == 20 + 5  # the 20 unchanged lines reused, not sent again
+
+
+def test_batch_mode_needs_a_model_and_one_endpoint() -> None:
+    with pytest.raises(UsageError, match="needs"):
+        resolve({"backend": "sim", "mode": "batch"})
+    with pytest.raises(UsageError, match="one endpoint"):
+        resolve({"mode": "batch", "model": "m", "endpoints": ["a=http://a", "b=http://b"]})
