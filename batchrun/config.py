@@ -346,8 +346,11 @@ def _validate(spec: RunSpec, preset: Preset | None) -> None:
             raise UsageError(f"--endpoint {e.name}: unknown backend {e.backend!r}")
     if spec.mode not in ("online", "batch") or spec.then not in ("none", "online"):
         raise OptionError("{mode} must be online or batch, and {then} none or online")
-    if spec.mode == "batch" and (not spec.model or len(spec.endpoints) > 1):
-        raise OptionError("{mode} batch needs {model}, and one endpoint (the batch provider)")
+    if spec.mode == "batch" and (not spec.model or spec.endpoints):
+        raise OptionError(
+            "{mode} batch needs {model}, and the provider as {backend} or {base_url} (not "
+            "{endpoints})"
+        )
     if spec.batch_max_requests < 1 or spec.batch_max_bytes < 1000 or spec.poll_interval <= 0:
         raise OptionError(
             "{batch_max_requests} must be at least 1, {batch_max_bytes} at least 1000 and "

@@ -165,3 +165,20 @@ class JobExists(LedgerError):
 
 class OutputError(BatchrunError):
     """The results file could not be written; any earlier results file is left untouched."""
+
+
+def single_error(group: BaseExceptionGroup) -> BaseException:
+    """Task groups wrap errors; hand the caller the batchrun error inside, if there is one,
+    so it gets its message and exit code instead of a traceback."""
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        exc = stack.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    ours = [e for e in leaves if isinstance(e, BatchrunError)]
+    if ours:
+        return ours[0]
+    return leaves[0] if len(leaves) == 1 else group  # one error (a callback's, say): as raised

@@ -22,8 +22,9 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import orjson
@@ -32,8 +33,15 @@ from batchrun.backends.answers import read_json
 from batchrun.backends.base import Transport
 from batchrun.backends.batch_api import BatchAPI
 from batchrun.config import RunSpec
-from batchrun.errors import RequestError
-from batchrun.ledger import Chunk, ClaimedItem, ItemResult, Ledger
+from batchrun.errors import (
+    FatalError,
+    NotFound,
+    PermanentError,
+    RequestError,
+    TransientError,
+    single_error,
+)
+from batchrun.ledger import Chunk, ClaimedItem, ItemResult, Ledger, run_owner
 from batchrun.progress import JobLog
 from batchrun.reuse import answer_spec
 from batchrun.run_state import RunStats
@@ -42,6 +50,8 @@ from batchrun.structured import OutputRules
 URLS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 FINISHED = ("completed", "expired", "cancelled", "failed")
 CRASH_POINTS = ("uploaded", "created", "downloading")  # BATCHRUN_CRASH_AT, for the tests
+LEASE_S = 900.0  # how long a run may take to upload and create a chunk's batch before another does
+T = TypeVar("T")
 
 
 @dataclass
@@ -72,14 +82,18 @@ class HostedRun:
         self.store = ledger.chunks
         self.stats = HostedStats()
         self._answer_spec = answer_spec(spec)
+        self.owner = run_owner()  # this run, as the chunks it submits know it
 
-    async def run(self) -> HostedStats:
+    async def run(self, *, send: bool) -> HostedStats:
+        """Reconcile and submit open chunks; with `send`, make batches of what is pending
+        and wait for them all; without (a `--mode online` run), collect what has finished."""
         for chunk in self.store.listed(self.name, open_only=True):
-            if chunk.batch_id is None:
-                await self._submit(chunk.chunk, self.store.lines(self.name, chunk.chunk), chunk)
-        while await self._next_chunk():
+            lease = self.store.take(self.name, chunk.chunk, owner=self.owner, lease=LEASE_S)
+            if chunk.batch_id is None and lease:  # another run may be submitting it now
+                await self._submit(chunk, self.store.lines(self.name, chunk.chunk))
+        while send and await self._next_chunk():
             pass
-        await self._poll()
+        await self._poll(wait=send)
         return self.stats
 
     async def _next_chunk(self) -> bool:
@@ -96,33 +110,75 @@ class HostedRun:
             ):
                 break
             picked.append(item)
-        number, lines = self.store.start(self.name, [item.line for item in picked])
+        number, lines = self.store.start(
+            self.name, [item.line for item in picked], owner=self.owner, lease=LEASE_S
+        )
         if lines:
+            chunk = next(c for c in self.store.listed(self.name) if c.chunk == number)
             wanted = set(lines)
-            await self._submit(number, [i for i in picked if i.line in wanted], None)
+            await self._submit(chunk, [i for i in picked if i.line in wanted], fresh=True)
         return True
 
-    async def _submit(self, number: int, items: list[ClaimedItem], known: Chunk | None) -> None:
-        """Upload and create a chunk's batch, unless the provider has it already."""
-        meta = {"batchrun_job": self.name, "batchrun_chunk": str(number)}
-        if known is not None:  # a run before this one may have created it
-            found = await self.api.find(meta)
-            if found is not None:
-                self.store.note(self.name, number, batch_id=found["id"], state=found["status"])
-                self.log.event("batch_adopted", chunk=number, batch=found["id"])
-                return
+    async def _submit(self, chunk: Chunk, items: list[ClaimedItem], *, fresh: bool = False) -> None:
+        """Upload and create a chunk's batch, unless the provider has it already (a run
+        before this one, killed after the create). A refusal (4xx) puts its lines back."""
+        number = chunk.chunk
+        meta = {"batchrun_job": self.name, "batchrun_chunk": str(number), "batchrun_key": chunk.key}
+        found = (
+            None if fresh else await self._patiently(lambda: self.api.find(meta, chunk.created_at))
+        )
+        if found is not None:
+            self.store.note(self.name, number, batch_id=found["id"], state=found["status"])
+            self.log.event("batch_adopted", chunk=number, batch=found["id"])
+            return
         if not items:
             self.store.close(self.name, number)
             return
         content = b"".join(self._line(item) for item in items)
-        file_id = await self.api.upload(f"{self.name}-{number}.jsonl", content)
-        self.store.note(self.name, number, input_file=file_id, state="uploaded")
-        _crash_point("uploaded")
-        batch = await self.api.create(file_id, URLS[items[0].endpoint], meta)
+        try:
+            file_id = await self._patiently(
+                lambda: self.api.upload(f"{self.name}-{number}.jsonl", content)
+            )
+            self.store.note(self.name, number, input_file=file_id, state="uploaded")
+            _crash_point("uploaded")
+            batch = await self._create(file_id, URLS[items[0].endpoint], meta, chunk.created_at)
+        except (PermanentError, FatalError) as exc:
+            back = self.store.close(self.name, number)
+            self.log.event("batch_refused", chunk=number, error=str(exc), back_to_pending=back)
+            raise
         _crash_point("created")
         self.store.note(self.name, number, batch_id=batch["id"], state=batch["status"])
         self.stats.batches += 1
         self.log.event("batch_created", chunk=number, batch=batch["id"], lines=len(items))
+
+    async def _create(self, file_id: str, endpoint: str, meta: dict[str, str], since: float) -> Any:
+        """Create the batch; after a transient error the create may have reached the
+        provider, so it is looked for before it is tried again."""
+        started, wait = time.monotonic(), 1.0
+        while True:
+            try:
+                return await self.api.create(file_id, endpoint, meta)
+            except TransientError:
+                if time.monotonic() - started > self.spec.outage_timeout:
+                    raise
+            await anyio.sleep(wait)
+            wait = min(30.0, wait * 2)
+            found = await self._patiently(lambda: self.api.find(meta, since))
+            if found is not None:
+                return found
+
+    async def _patiently(self, call: Callable[[], Awaitable[T]]) -> T:
+        """`call`, tried again after transient errors (429, 5xx, a lost connection) for up
+        to --outage-timeout, waiting 1 s and then twice as long (or as Retry-After says)."""
+        started, wait = time.monotonic(), 1.0
+        while True:
+            try:
+                return await call()
+            except TransientError as exc:
+                if time.monotonic() - started > self.spec.outage_timeout:
+                    raise
+                await anyio.sleep(min(300.0, exc.retry_after or wait))
+                wait = min(30.0, wait * 2)
 
     def _line(self, item: ClaimedItem) -> bytes:
         body = self.rules.plan(item.endpoint, {**self.spec.request_defaults(), **item.body})
@@ -134,38 +190,59 @@ class HostedRun:
         }
         return orjson.dumps(request) + b"\n"
 
-    async def _poll(self) -> None:
-        wait = min(1.0, self.spec.poll_interval)
+    async def _poll(self, *, wait: bool) -> None:
+        """Look at the open batches, collecting the finished ones, until none is open (or,
+        without `wait`, once)."""
+        pause = min(1.0, self.spec.poll_interval)
         while True:
             open_chunks = [c for c in self.store.listed(self.name, open_only=True) if c.batch_id]
-            if not open_chunks:
-                return
             for chunk in open_chunks:
-                assert chunk.batch_id is not None
-                batch = await self.api.get(chunk.batch_id)
-                counts = batch.get("request_counts")
-                if batch["status"] != chunk.state or counts != chunk.counts:
-                    self.store.note(self.name, chunk.chunk, state=batch["status"], counts=counts)
-                if batch["status"] in FINISHED:
-                    await self._collect(chunk, batch)
-            await anyio.sleep(wait)
-            wait = min(self.spec.poll_interval, wait * 2)
+                await self._look(chunk)
+            if not wait or not open_chunks:
+                return
+            await anyio.sleep(pause)
+            pause = min(self.spec.poll_interval, pause * 2)
+
+    async def _look(self, chunk: Chunk) -> None:
+        batch_id = chunk.batch_id
+        assert batch_id is not None
+        try:
+            batch = await self._patiently(lambda: self.api.get(batch_id))
+        except NotFound as exc:  # deleted at the provider: its lines go back to pending
+            back = self.store.close(self.name, chunk.chunk)
+            self.log.event(
+                "batch_lost",
+                chunk=chunk.chunk,
+                batch=batch_id,
+                error=str(exc),
+                back_to_pending=back,
+            )
+            return
+        counts = batch.get("request_counts")
+        if batch.get("status") != chunk.state or counts != chunk.counts:
+            self.store.note(self.name, chunk.chunk, state=str(batch.get("status")), counts=counts)
+        if batch.get("status") in FINISHED:
+            await self._collect(chunk, batch)
+        if batch.get("status") == "failed":  # refused at validation: said, not sent again blindly
+            errors = (batch.get("errors") or {}).get("data") or []
+            reasons = "; ".join(str(e.get("message", e)) for e in errors if isinstance(e, dict))
+            raise FatalError(
+                f"the provider failed batch {batch_id}: {reasons or 'no reason given'}"
+            )
 
     async def _collect(self, chunk: Chunk, batch: dict[str, Any]) -> None:
         """Record a finished batch's answers; the rest of its lines go back to pending."""
         items = {item.line: item for item in self.store.lines(self.name, chunk.chunk)}
         _crash_point("downloading")
         results: list[ItemResult] = []
-        if batch.get("output_file_id"):
-            for record in _records(await self.api.content(batch["output_file_id"])):
-                result = self._result(items, record)
-                if result is not None:
-                    results.append(result)
+        for record in await self._file(batch.get("output_file_id")):
+            result = self._result(items, record)
+            if result is not None:
+                results.append(result)
         failures: dict[str, int] = {}  # why the provider failed lines, for the log
-        if batch.get("error_file_id"):
-            for record in _records(await self.api.content(batch["error_file_id"])):
-                why = _failure(record)
-                failures[why] = failures.get(why, 0) + 1
+        for record in await self._file(batch.get("error_file_id")):
+            why = _failure(record)
+            failures[why] = failures.get(why, 0) + 1
         recorded = self.ledger.record(
             self.name, "", results, answer_spec=self._answer_spec, chunk=chunk.chunk
         )
@@ -176,20 +253,30 @@ class HostedRun:
             "batch_collected",
             chunk=chunk.chunk,
             batch=chunk.batch_id,
-            status=batch["status"],
+            status=batch.get("status"),
             recorded=recorded,
             back_to_pending=back,
             failures=failures,
         )
 
+    async def _file(self, file_id: Any) -> list[dict[str, Any]]:
+        """A batch's output or error file, its lines parsed; none when it has none (or the
+        provider no longer keeps it: those lines go back to pending)."""
+        if not isinstance(file_id, str) or not file_id:
+            return []
+        try:
+            return _records(await self._patiently(lambda: self.api.content(file_id)))
+        except NotFound:
+            return []
+
     def _result(self, items: dict[int, ClaimedItem], record: dict[str, Any]) -> ItemResult | None:
         """One output line as the item's result; None: the line goes back to pending."""
         try:
-            item = items[int(record.get("custom_id", ""))]
+            item = items[int(str(record.get("custom_id")))]
         except (KeyError, ValueError):
             return None  # not one of this chunk's lines
-        response = record.get("response") or {}
-        if response.get("status_code") != 200:
+        response = record.get("response")
+        if not isinstance(response, dict) or response.get("status_code") != 200:
             return None
         try:
             completion = read_json(
@@ -269,6 +356,8 @@ async def run_batches(
                 tg.cancel_scope.cancel()
         else:
             await _until_done(run, stats, log)
+    except BaseExceptionGroup as group:
+        raise single_error(group) from None
     finally:
         with anyio.CancelScope(shield=True):
             await api.aclose()
@@ -282,7 +371,7 @@ async def run_batches(
 async def _until_done(run: HostedRun, stats: RunStats, log: JobLog) -> None:
     """The run, its provider's refusal (a wrong key, an unknown endpoint) as the abort."""
     try:
-        await run.run()
+        await run.run(send=run.spec.mode == "batch")
     except RequestError as exc:
         stats.aborted = str(exc)
         log.event("abort", error=str(exc), kind=type(exc).__name__)
@@ -299,17 +388,33 @@ async def _stop_on_signals(scope: anyio.CancelScope, stats: RunStats) -> None:
 async def cancel_batches(
     ledger: Ledger, name: str, spec: RunSpec, *, transport: Transport | None = None
 ) -> list[str]:
-    """Ask the provider to cancel the job's running batches; their ids. What they answered
-    before stopping is collected by the next run (`resume`), the rest goes back to pending."""
+    """Ask the provider to cancel the job's running batches (a chunk without a recorded id
+    is looked for by its metadata); their ids. What they answered before stopping is
+    collected by the next run (`resume`), the rest goes back to pending. A batch that cannot
+    be cancelled (gone, finished meanwhile) is noted in the log and passed over."""
     api = BatchAPI(spec, transport)
     cancelled = []
     try:
         for chunk in ledger.chunks.listed(name, open_only=True):
-            if chunk.batch_id is None or chunk.state in FINISHED:
+            batch_id = chunk.batch_id
+            if batch_id is None:
+                meta = {
+                    "batchrun_job": name,
+                    "batchrun_chunk": str(chunk.chunk),
+                    "batchrun_key": chunk.key,
+                }
+                found = await api.find(meta, chunk.created_at)
+                batch_id = found["id"] if found else None
+            if batch_id is None or chunk.state in FINISHED:
                 continue
-            batch = await api.cancel(chunk.batch_id)
-            ledger.chunks.note(name, chunk.chunk, state=batch.get("status", "cancelling"))
-            cancelled.append(chunk.batch_id)
+            try:
+                batch = await api.cancel(batch_id)
+            except RequestError:
+                continue
+            ledger.chunks.note(
+                name, chunk.chunk, batch_id=batch_id, state=batch.get("status", "cancelling")
+            )
+            cancelled.append(batch_id)
     finally:
         await api.aclose()
     return cancelled

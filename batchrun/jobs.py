@@ -19,12 +19,12 @@ from batchrun.backends.build import sim_config
 from batchrun.budget import Budget
 from batchrun.config import RunSpec, preset_for, resolve
 from batchrun.errors import (
-    BatchrunError,
     FatalError,
     JobExists,
     LedgerError,
     OptionError,
     UsageError,
+    single_error,
 )
 from batchrun.inputs import InputReader, file_digest
 from batchrun.ledger import FINAL_STATUSES, IngestReport, Job, Ledger, left
@@ -354,7 +354,7 @@ async def _run_online(
                     stats.reused, stats.duplicates = reused, waiting
                     tg.cancel_scope.cancel()
             except BaseExceptionGroup as group:
-                raise _single_error(group) from None
+                raise single_error(group) from None
             return stats
     except FatalError as exc:
         if opened:
@@ -374,23 +374,6 @@ def output_rules(spec: RunSpec) -> OutputRules:
         retry_longer=spec.on_truncate == "retry-longer",
         max_tokens_cap=spec.max_tokens_cap,
     )
-
-
-def _single_error(group: BaseExceptionGroup) -> BaseException:
-    """Task groups wrap errors; hand the caller the batchrun error inside, if there is one,
-    so it gets its message and exit code instead of a traceback."""
-    leaves: list[BaseException] = []
-    stack: list[BaseException] = [group]
-    while stack:
-        exc = stack.pop()
-        if isinstance(exc, BaseExceptionGroup):
-            stack.extend(exc.exceptions)
-        else:
-            leaves.append(exc)
-    ours = [e for e in leaves if isinstance(e, BatchrunError)]
-    if ours:
-        return ours[0]
-    return leaves[0] if len(leaves) == 1 else group  # one error (a callback's, say): as raised
 
 
 async def _stop_on_signals(runner: Runner) -> None:

@@ -14,6 +14,8 @@ def _state(counts: dict[str, int], attempts: int, live: list[Worker]) -> str:
         return f"running (pid {live[0].pid} on {live[0].host})"
     if live:
         return f"running ({len(live)} workers)"
+    if counts.get("batched"):
+        return f"at the batch provider ({counts['batched']} items; `resume` collects them)"
     if left(counts):
         return "stopped" if attempts else "not started"  # no request recorded for any item
     bad = counts["failed"] + counts["invalid"] + counts["rejected"]

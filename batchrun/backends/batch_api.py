@@ -61,8 +61,10 @@ class BatchAPI:
     async def content(self, file_id: str) -> bytes:
         return (await self._call("GET", f"/files/{file_id}/content")).content
 
-    async def find(self, metadata: dict[str, str]) -> Any | None:
-        """The newest batch whose metadata holds these pairs, or None."""
+    async def find(self, metadata: dict[str, str], since: float) -> Any | None:
+        """The newest batch whose metadata holds these pairs, or None; batches are listed
+        newest first, and the search stops at those made before `since` (epoch seconds, an
+        hour's leeway for clocks)."""
         after: str | None = None
         for _ in range(LIST_PAGES):
             params = {"limit": 100, **({"after": after} if after else {})}
@@ -70,6 +72,8 @@ class BatchAPI:
             for batch in page.get("data", []):
                 if metadata.items() <= (batch.get("metadata") or {}).items():
                     return batch
+                if (batch.get("created_at") or since) < since - 3600:
+                    return None
             if not page.get("has_more") or not page.get("data"):
                 return None
             after = page["data"][-1]["id"]

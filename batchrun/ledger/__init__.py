@@ -1,6 +1,6 @@
 """The ledger: the only code that imports SQLAlchemy."""
 
-from batchrun.ledger.chunks import Chunk
+from batchrun.ledger.chunks import Chunk, run_owner
 from batchrun.ledger.engine import shown_url
 from batchrun.ledger.records import ClaimedItem, IngestReport, ItemResult, Job
 from batchrun.ledger.schema import FINAL_STATUSES, OPEN_STATUSES, STATUSES, left
@@ -19,5 +19,6 @@ __all__ = [
     "Ledger",
     "Worker",
     "left",
+    "run_owner",
     "shown_url",
 ]

@@ -8,7 +8,10 @@ are recorded, what it did not answer goes back to pending.
 
 from __future__ import annotations
 
+import os
+import secrets
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +21,23 @@ from sqlalchemy import and_, func, insert, select, update
 from batchrun.ledger.records import ClaimedItem
 from batchrun.ledger.rows import CLAIMED_COLUMNS, claimed_of
 from batchrun.ledger.schema import chunks, items
+from batchrun.ledger.workers import pid_alive, this_machine
 
-CLOSED = ("collected",)  # results recorded and the rest put back: nothing more to do
+CLOSED = ("collected",)
+
+
+def run_owner() -> str:
+    """Who submits a chunk: this machine (boot, pid namespace), this process, this run."""
+    return f"{this_machine()}|{os.getpid()}|{uuid.uuid4().hex[:8]}"
+
+
+def _alive(owner: str) -> bool:
+    """Whether the run named `owner` may still be submitting (unknown machines: yes)."""
+    machine, _, rest = owner.partition("|")
+    pid = rest.partition("|")[0]
+    return (
+        machine != this_machine() or not pid.isdigit() or pid_alive(int(pid))
+    )  # results recorded and the rest put back: nothing more to do
 
 
 @dataclass(frozen=True)
@@ -27,6 +45,8 @@ class Chunk:
     job: str
     chunk: int
     state: str  # intent, validating, in_progress, finalizing, completed, expired, ...
+    key: str  # in the batch's metadata: what a run looks for to adopt it
+    created_at: float
     input_file: str | None
     batch_id: str | None
     lines: int
@@ -50,6 +70,8 @@ class ChunkStore:
                 r["job"],
                 r["chunk"],
                 r["state"],
+                r["key"],
+                r["created_at"],
                 r["input_file"],
                 r["batch_id"],
                 r["lines"],
@@ -69,9 +91,11 @@ class ChunkStore:
         with self._ledger._read("reading pending items") as conn:
             return [claimed_of(row) for row in conn.execute(query)]
 
-    def start(self, job: str, lines: list[int]) -> tuple[int, list[int]]:
-        """A new chunk of these lines (those still pending), in state `intent`: (its number,
-        its lines)."""
+    def start(
+        self, job: str, lines: list[int], *, owner: str, lease: float
+    ) -> tuple[int, list[int]]:
+        """A new chunk of these lines (those still pending), in state `intent`, leased to
+        `owner` for `lease` seconds: (its number, its lines)."""
         now = time.time()
         with self._ledger._write("starting a batch") as conn:
             last = conn.execute(select(func.max(chunks.c.chunk)).where(chunks.c.job == job))
@@ -89,12 +113,31 @@ class ChunkStore:
                         job=job,
                         chunk=number,
                         state="intent",
+                        key=secrets.token_hex(8),
+                        owner=owner,
+                        lease_until=now + lease,
                         lines=len(mine),
                         created_at=now,
                         updated_at=now,
                     )
                 )
         return number, mine
+
+    def take(self, job: str, chunk: int, *, owner: str, lease: float) -> bool:
+        """Lease a chunk without a batch to `owner` for uploading and creating it, unless
+        another live run holds it: two runs never create batches for the same chunk at once.
+        A holder is gone when its lease ran out, or when its process is (same machine)."""
+        now = time.time()
+        where = (chunks.c.job == job, chunks.c.chunk == chunk, chunks.c.batch_id.is_(None))
+        with self._ledger._write("taking a batch") as conn:
+            row = conn.execute(select(chunks.c.owner, chunks.c.lease_until).where(*where)).first()
+            if row is None:
+                return False
+            holder, until = row
+            if holder not in (None, owner) and (until or 0) > now and _alive(holder):
+                return False
+            conn.execute(update(chunks).where(*where).values(owner=owner, lease_until=now + lease))
+        return True
 
     def lines(self, job: str, chunk: int) -> list[ClaimedItem]:
         """The items a chunk holds (still `batched`)."""

@@ -170,6 +170,12 @@ chunks = Table(
     Column("job", String(200), primary_key=True),
     Column("chunk", Integer, primary_key=True),
     Column("state", String(32), nullable=False),  # intent, the provider's states, collected
+    # A random key, in the batch's metadata too: a batch is adopted only if it carries it
+    # (another ledger's job of the same name never matches).
+    Column("key", String(32), nullable=False),
+    # The run uploading and creating its batch, until when (another waits, then takes over).
+    Column("owner", String(64)),
+    Column("lease_until", Float),
     Column("input_file", String(200)),
     Column("batch_id", String(200)),
     Column("lines", Integer, nullable=False),

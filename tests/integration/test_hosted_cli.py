@@ -23,7 +23,8 @@ from tests.integration.helpers import CLI, write_prompts
 pytestmark = pytest.mark.integration
 
 FAST = ("--ttft-ms", "1", "--tpot-ms", "0", "--batch-seconds", "0.3")
-BATCH = ("--mode", "batch", "--poll-interval", "0.05", "--model", "sim-1", "-q")
+# --no-reuse: every job here asks the same prompts, which reuse would answer from the first
+BATCH = ("--mode", "batch", "--poll-interval", "0.05", "--model", "sim-1", "--no-reuse", "-q")
 
 
 def batches_of(url: str, job: str) -> list[dict[str, Any]]:

@@ -5,16 +5,18 @@ ledger and the provider that resumes without a second batch for the same items."
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from batchrun import hosted, jobs
 from batchrun.config import resolve
 from batchrun.errors import UsageError
 from batchrun.jobs import Home
-from batchrun.ledger import Ledger
+from batchrun.ledger import Ledger, chunks
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.sim import SimConfig, SimModel, SimTransport
 
@@ -107,6 +109,7 @@ async def test_a_run_killed_at_each_point_resumes_without_a_second_batch(
         await run(ledger, home, spec, model)
     assert ledger.counts("j")["batched"] == 12  # in the chunk, whatever the provider has
     monkeypatch.undo()
+    monkeypatch.setattr(chunks, "_alive", lambda _owner: False)  # the killed run's process
     stats = await run(ledger, home, spec, model)
     assert ledger.counts("j")["done"] == 12
     assert model.batches.created == 1  # adopted or created once, never twice
@@ -142,5 +145,108 @@ async def test_a_nightly_rerun_in_batch_mode_sends_only_what_changed(tmp_path: P
 def test_batch_mode_needs_a_model_and_one_endpoint() -> None:
     with pytest.raises(UsageError, match="needs"):
         resolve({"backend": "sim", "mode": "batch"})
-    with pytest.raises(UsageError, match="one endpoint"):
+    with pytest.raises(UsageError, match="not"):
         resolve({"mode": "batch", "model": "m", "endpoints": ["a=http://a", "b=http://b"]})
+
+
+@pytest.mark.anyio
+async def test_a_chunk_a_live_run_is_submitting_is_left_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger, home, spec = load(tmp_path, 12)
+    model = sim()
+
+    def crash(name: str) -> None:
+        if name == "uploaded":
+            raise Killed(name)
+
+    monkeypatch.setattr(hosted, "_crash_point", crash)
+    with pytest.raises(Killed):
+        await run(ledger, home, spec, model)
+    monkeypatch.undo()
+    # the first run's process is this one, alive: a second run does not create its batch
+    await run(ledger, home, spec, model)
+    assert model.batches.created == 0 and ledger.counts("j")["batched"] == 12
+    (chunk,) = ledger.chunks.listed("j")
+    assert chunk.state == "uploaded" and chunk.batch_id is None
+
+
+class Flaky(SimTransport):
+    """The simulator, with scripted answers for some requests: `script(method, path, n)`
+    returns a status to answer instead (n counts requests to that method and path)."""
+
+    def __init__(self, model: SimModel, script: Any) -> None:
+        super().__init__(model)
+        self.script = script
+        self.seen: dict[tuple[str, str], int] = {}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        key = (request.method, request.url.path)
+        self.seen[key] = self.seen.get(key, 0) + 1
+        status = self.script(request.method, request.url.path, self.seen[key])
+        if status is not None:
+            return httpx.Response(status, json={"error": {"message": f"scripted {status}"}})
+        return await super().handle_async_request(request)
+
+
+async def run_with(ledger: Ledger, home: Home, spec: Any, transport: Any) -> RunStats:
+    return await jobs.run_job(ledger, home, "j", spec, transport=transport, handle_signals=False)
+
+
+@pytest.mark.anyio
+async def test_a_transient_error_while_polling_is_waited_out(tmp_path: Path) -> None:
+    ledger, home, spec = load(tmp_path, 10)
+
+    def script(method: str, path: str, n: int) -> int | None:
+        return 503 if method == "GET" and path.startswith("/v1/batches/") and n == 2 else None
+
+    stats = await run_with(ledger, home, spec, Flaky(sim(), script))
+    assert stats.aborted is None and ledger.counts("j")["done"] == 10
+
+
+@pytest.mark.anyio
+async def test_a_refused_upload_puts_the_lines_back_instead_of_holding_them(
+    tmp_path: Path,
+) -> None:
+    ledger, home, spec = load(tmp_path, 10)
+
+    def script(method: str, path: str, n: int) -> int | None:
+        return 413 if path == "/v1/files" else None
+
+    stats = await run_with(ledger, home, spec, Flaky(sim(), script))
+    assert stats.aborted is not None and "413" in stats.aborted
+    assert ledger.counts("j")["pending"] == 10  # not stuck in a chunk: online can take them
+    online = await run_with(ledger, home, replace(spec, mode="online"), SimTransport(sim()))
+    assert online.aborted is None and ledger.counts("j")["done"] == 10
+
+
+@pytest.mark.anyio
+async def test_a_batch_failed_at_validation_says_why(tmp_path: Path) -> None:
+    ledger, home, spec = load(tmp_path, 10)
+    stats = await run_with(ledger, home, spec, SimTransport(sim(batch_max_requests=3)))
+    assert stats.aborted is not None and "over the limit of 3" in stats.aborted
+    assert ledger.counts("j")["pending"] == 10
+
+
+@pytest.mark.anyio
+async def test_an_online_resume_collects_open_batches_and_makes_no_new_ones(
+    tmp_path: Path,
+) -> None:
+    ledger, home, spec = load(tmp_path, 20, batch_max_requests=5)
+    model = sim(batch_seconds=30.0)  # the batches will not be done for a while
+    transport = SimTransport(model)
+
+    def crash(name: str) -> None:
+        if name == "created":
+            raise Killed(name)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hosted, "_crash_point", crash)
+        with pytest.raises(Killed):
+            await run_with(ledger, home, spec, transport)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(chunks, "_alive", lambda _owner: False)
+        stats = await run_with(ledger, home, replace(spec, mode="online"), transport)
+    assert model.batches.created == 1  # the one the killed run made, adopted; no new ones
+    counts = ledger.counts("j")
+    assert counts["batched"] == 5 and counts["done"] == 15 and stats.aborted is None

@@ -9,7 +9,7 @@ import pytest
 from batchrun import jobs
 from batchrun.backends.build import checked_key, sim_config
 from batchrun.config import resolve
-from batchrun.errors import JobExists, UsageError
+from batchrun.errors import JobExists, UsageError, single_error
 
 
 @pytest.mark.parametrize(
@@ -58,11 +58,11 @@ def test_keys_that_cannot_be_a_header_are_refused(monkeypatch: pytest.MonkeyPatc
 def test_task_group_errors_are_unwrapped_to_the_batchrun_error() -> None:
     busy = JobExists("job exists")
     group = BaseExceptionGroup("tg", [BaseExceptionGroup("inner", [busy])])
-    assert jobs._single_error(group) is busy
+    assert single_error(group) is busy
     bug = ValueError("bug")  # one error alone (a callback's): as raised
-    assert jobs._single_error(BaseExceptionGroup("tg", [BaseExceptionGroup("in", [bug])])) is bug
+    assert single_error(BaseExceptionGroup("tg", [BaseExceptionGroup("in", [bug])])) is bug
     several = BaseExceptionGroup("tg", [ValueError("a"), KeyError("b")])
-    assert jobs._single_error(several) is several
+    assert single_error(several) is several
 
 
 def test_ids_that_collide_after_string_conversion_are_duplicates(tmp_path: Path) -> None:
