@@ -235,8 +235,9 @@ class HostedRun:
         items = {item.line: item for item in self.store.lines(self.name, chunk.chunk)}
         _crash_point("downloading")
         results: list[ItemResult] = []
+        followups: dict[int, dict[str, Any]] = {}  # answers a repair or longer retry follows
         for record in await self._file(batch.get("output_file_id")):
-            result = self._result(items, record)
+            result = self._result(items, record, followups)
             if result is not None:
                 results.append(result)
         failures: dict[str, int] = {}  # why the provider failed lines, for the log
@@ -246,7 +247,7 @@ class HostedRun:
         recorded = self.ledger.record(
             self.name, "", results, answer_spec=self._answer_spec, chunk=chunk.chunk
         )
-        back = self.store.close(self.name, chunk.chunk)
+        back = self.store.close(self.name, chunk.chunk, followups)
         self.stats.recorded += recorded
         self.stats.returned += back
         self.log.event(
@@ -269,8 +270,14 @@ class HostedRun:
         except NotFound:
             return []
 
-    def _result(self, items: dict[int, ClaimedItem], record: dict[str, Any]) -> ItemResult | None:
-        """One output line as the item's result; None: the line goes back to pending."""
+    def _result(
+        self,
+        items: dict[int, ClaimedItem],
+        record: dict[str, Any],
+        followups: dict[int, dict[str, Any]],
+    ) -> ItemResult | None:
+        """One output line as the item's result; None: the line goes back to pending (with
+        its answer in `followups` when a repair or a longer retry should follow it)."""
         try:
             item = items[int(str(record.get("custom_id")))]
         except (KeyError, ValueError):
@@ -286,10 +293,16 @@ class HostedRun:
             return None
         plan = self.rules.plan(item.endpoint, {**self.spec.request_defaults(), **item.body})
         outcome = plan.judge(completion)
-        if outcome is None:  # a repair or a longer retry: done online or in the next batch
-            return None
         self.stats.prompt_tokens += completion.prompt_tokens or 0
         self.stats.completion_tokens += completion.completion_tokens or 0
+        if outcome is None:  # a repair or a longer retry follows it, online or in a batch
+            followups[item.line] = {
+                "text": completion.text,
+                "finish_reason": completion.finish_reason,
+                "prompt_tokens": completion.prompt_tokens,
+                "completion_tokens": completion.completion_tokens,
+            }
+            return None
         return ItemResult(
             line=item.line,
             status=outcome.status,

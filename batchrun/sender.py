@@ -152,6 +152,11 @@ class Sender:
             )
             return completion
 
+        if item.previous is not None:  # a hosted batch's answer: judged first, then followed
+            answered = _completion_of(item.previous)
+            outcome = plan.judge(answered)
+            if outcome is not None:  # judged well now (a schema changed since, say)
+                return self._result(item, attempts, answered, outcome, plan, lane)
         while True:
             tries = 0
             try:
@@ -231,6 +236,18 @@ class Sender:
             answered_by=self._named(lane),
             answer_spec=lane.answer_spec,
         )
+
+
+def _completion_of(previous: dict[str, Any]) -> Completion:
+    """A stored batch answer as a Completion (no timings: it came in a file)."""
+    return Completion(
+        text=str(previous.get("text") or ""),
+        finish_reason=previous.get("finish_reason"),
+        prompt_tokens=previous.get("prompt_tokens"),
+        completion_tokens=previous.get("completion_tokens"),
+        latency_s=0.0,
+        ttft_s=None,
+    )
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from sqlalchemy import and_, func, insert, select, update
+from sqlalchemy import and_, bindparam, func, insert, select, update
 
 from batchrun.ledger.records import ClaimedItem
 from batchrun.ledger.rows import CLAIMED_COLUMNS, claimed_of
@@ -160,10 +160,21 @@ class ChunkStore:
                 .values(updated_at=time.time(), **values)
             )
 
-    def close(self, job: str, chunk: int) -> int:
-        """The chunk's results are in: what it did not answer goes back to pending; how many."""
+    def close(
+        self, job: str, chunk: int, followups: dict[int, dict[str, Any]] | None = None
+    ) -> int:
+        """The chunk's results are in: what it did not answer goes back to pending, with the
+        answers that need a follow-up kept for it (`followups`, by line); how many."""
         now = time.time()
         with self._ledger._write("closing a batch") as conn:
+            if followups:
+                conn.execute(
+                    update(items)
+                    .where(items.c.job == job, items.c.line == bindparam("l"))
+                    .where(items.c.status == "batched", items.c.chunk == chunk)
+                    .values(followup=bindparam("f")),
+                    [{"l": line, "f": orjson.dumps(f).decode()} for line, f in followups.items()],
+                )
             back = conn.execute(
                 update(items)
                 .where(

@@ -92,8 +92,10 @@ def _v6_endpoints_and_order(conn: Connection) -> None:
 
 
 def _v7_hosted_batches(conn: Connection) -> None:
-    if "chunk" not in {c["name"] for c in inspect(conn).get_columns("items")}:
-        conn.execute(text("ALTER TABLE items ADD COLUMN chunk INTEGER"))
+    have = {c["name"] for c in inspect(conn).get_columns("items")}
+    for column, kind in (("chunk", "INTEGER"), ("followup", "TEXT")):
+        if column not in have:
+            conn.execute(text(f"ALTER TABLE items ADD COLUMN {column} {kind}"))
     chunks.create(conn, checkfirst=True)
 
 

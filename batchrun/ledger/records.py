@@ -54,6 +54,9 @@ class ClaimedItem:
     attempts: int
     group: int | None = None  # its prefix group: the group's first line (its own, alone)
     sched: int = 0  # its place in the claim order
+    # A hosted batch's answer that needs a follow-up: text, finish_reason, prompt_tokens,
+    # completion_tokens.
+    previous: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

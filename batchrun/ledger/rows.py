@@ -47,12 +47,16 @@ CLAIMED_COLUMNS = (
     items.c.digest,
     items.c.attempts,
     items.c.sched,
+    items.c.followup,
 )
 
 
 def claimed_of(row: Row[Any]) -> ClaimedItem:
     """A claimed row (line, item_id, endpoint, body, digest, attempts, sched), its body
     parsed and its prefix group read from its place in the order."""
-    line, item_id, endpoint, body, digest, attempts, sched = tuple(row)
+    line, item_id, endpoint, body, digest, attempts, sched, followup = tuple(row)
     group = sched >> LINE_BITS  # its group's first line (its own line, alone)
-    return ClaimedItem(line, item_id, endpoint, orjson.loads(body), digest, attempts, group, sched)
+    previous = orjson.loads(followup) if followup else None
+    return ClaimedItem(
+        line, item_id, endpoint, orjson.loads(body), digest, attempts, group, sched, previous
+    )

@@ -116,6 +116,9 @@ items = Table(
     Column("answered_by", String(200)),
     Column("sched", BigInteger),
     Column("chunk", Integer),  # the hosted batch it went out in (migration 7)
+    # A batch's answer that needs a follow-up (a repair, a longer retry), JSON: the online
+    # run judges it again and sends the follow-up, not the whole request (migration 7).
+    Column("followup", Text),
     # Rows live in (job, line) order in the primary-key B-tree itself: one B-tree fewer to
     # maintain on ingest, and claims walk it as a range scan.
     sqlite_with_rowid=False,

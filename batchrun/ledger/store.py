@@ -278,6 +278,7 @@ class Ledger:
                 updated_at=now,
                 answer_spec=bindparam("b_answer_spec"),
                 answered_by=bindparam("b_answered_by"),
+                followup=None,
                 latency_ms=bindparam("b_latency_ms"),
                 ttft_ms=bindparam("b_ttft_ms"),
                 prompt_tokens=bindparam("b_prompt_tokens"),

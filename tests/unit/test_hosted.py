@@ -250,3 +250,19 @@ async def test_an_online_resume_collects_open_batches_and_makes_no_new_ones(
     assert model.batches.created == 1  # the one the killed run made, adopted; no new ones
     counts = ledger.counts("j")
     assert counts["batched"] == 5 and counts["done"] == 15 and stats.aborted is None
+
+
+@pytest.mark.anyio
+async def test_an_invalid_batch_answer_is_repaired_online_as_a_follow_up(tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    ledger, home, spec = load(
+        tmp_path, 10, then="online", schema=str(tmp_path / "schema.json"), guided=False
+    )
+    model = sim(json_schema=schema, json_styles={"broken": 1.0})  # every first answer broken
+    stats = await run(ledger, home, spec, model)
+    assert ledger.counts("j")["done"] == 10 and stats.batches == 1
+    assert model.requests == 10 + 10  # the batch's lines, then one repair each: no re-sends
+    stored = list(ledger.iter_results("j"))
+    assert all(item.repairs == 1 and item.parsed for item in stored)
+    assert all(item.completion_tokens for item in stored)  # the batch answer's tokens counted
