@@ -24,7 +24,7 @@ from typing import Any, Unpack
 
 import anyio
 
-from batchrun import hosted
+from batchrun import batch_mode
 from batchrun import jobs as verbs
 from batchrun.config import RunOptions, RunSpec, load_spec_file
 from batchrun.errors import UsageError
@@ -217,7 +217,7 @@ def cancel(job: str, *, home: PathLike = ".", ledger: str | None = None) -> list
     with _ledger(where, existing=True) as led:
         found = _job(led, where, job)
         spec = verbs.job_spec(found)
-        return anyio.run(functools.partial(hosted.cancel_batches, led, found.name, spec))
+        return anyio.run(functools.partial(batch_mode.cancel_batches, led, found.name, spec))
 
 
 def export(

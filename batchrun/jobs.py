@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 
-from batchrun import hosted, reuse
+from batchrun import batch_mode, reuse
 from batchrun.backends import Transport
 from batchrun.backends.build import sim_config
 from batchrun.budget import Budget
@@ -260,7 +260,7 @@ async def run_job(
         log = JobLog(home.log_path(name), name, redact=spec.redact)
         try:  # earlier jobs' answers and repeated lines first: pay only for what changed
             await anyio.to_thread.run_sync(_reuse, ledger, name, spec, log)
-            batched = await hosted.run_batches(
+            batched = await batch_mode.run_batches(
                 ledger,
                 name,
                 spec,

@@ -1,0 +1,107 @@
+"""The verbs of `--mode batch` (hosted.py runs the batches): run a job's batches to the end,
+or to Ctrl-C/SIGTERM; cancel them."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import anyio
+
+from batchrun.backends.base import Transport
+from batchrun.backends.batch_api import BatchAPI
+from batchrun.config import RunSpec
+from batchrun.errors import RequestError, single_error
+from batchrun.hosted import FINISHED, HostedRun
+from batchrun.ledger import Ledger
+from batchrun.progress import JobLog
+from batchrun.run_state import RunStats
+from batchrun.structured import OutputRules
+
+
+async def run_batches(
+    ledger: Ledger,
+    name: str,
+    spec: RunSpec,
+    *,
+    log: JobLog,
+    rules: OutputRules,
+    transport: Transport | None = None,
+    handle_signals: bool = True,
+) -> RunStats:
+    """Run the job's batches to the end (or to Ctrl-C/SIGTERM: the batches go on at the
+    provider, and `resume` picks up polling)."""
+    stats = RunStats()
+    api = BatchAPI(spec, transport)
+    run = HostedRun(ledger, api, name, spec, rules=rules, log=log)
+    log.event("batch_mode_started", max_requests=spec.batch_max_requests)
+    try:
+        if handle_signals:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_stop_on_signals, tg.cancel_scope, stats)
+                await _until_done(run, stats, log)
+                tg.cancel_scope.cancel()
+        else:
+            await _until_done(run, stats, log)
+    except BaseExceptionGroup as group:
+        raise single_error(group) from None
+    finally:
+        with anyio.CancelScope(shield=True):
+            await api.aclose()
+    h = run.stats
+    stats.recorded, stats.batches = h.recorded, h.batches
+    stats.batch_tokens = h.prompt_tokens + h.completion_tokens
+    stats.elapsed = time.monotonic() - stats.started
+    return stats
+
+
+async def _until_done(run: HostedRun, stats: RunStats, log: JobLog) -> None:
+    """The run, its provider's refusal (a wrong key, an unknown endpoint) as the abort."""
+    try:
+        await run.run(send=run.spec.mode == "batch")
+    except RequestError as exc:
+        stats.aborted = str(exc)
+        log.event("abort", error=str(exc), kind=type(exc).__name__)
+
+
+async def _stop_on_signals(scope: anyio.CancelScope, stats: RunStats) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            stats.interrupted, stats.stopped_by = True, signum
+            scope.cancel()
+            return
+
+
+async def cancel_batches(
+    ledger: Ledger, name: str, spec: RunSpec, *, transport: Transport | None = None
+) -> list[str]:
+    """Ask the provider to cancel the job's running batches (a chunk without a recorded id
+    is looked for by its metadata); their ids. What they answered before stopping is
+    collected by the next run (`resume`), the rest goes back to pending. A batch that cannot
+    be cancelled (gone, finished meanwhile) is noted in the log and passed over."""
+    api = BatchAPI(spec, transport)
+    cancelled = []
+    try:
+        for chunk in ledger.chunks.listed(name, open_only=True):
+            batch_id = chunk.batch_id
+            if batch_id is None:
+                meta = {
+                    "batchrun_job": name,
+                    "batchrun_chunk": str(chunk.chunk),
+                    "batchrun_key": chunk.key,
+                }
+                found = await api.find(meta, chunk.created_at)
+                batch_id = found["id"] if found else None
+            if batch_id is None or chunk.state in FINISHED:
+                continue
+            try:
+                batch = await api.cancel(batch_id)
+            except RequestError:
+                continue
+            ledger.chunks.note(
+                name, chunk.chunk, batch_id=batch_id, state=batch.get("status", "cancelling")
+            )
+            cancelled.append(batch_id)
+    finally:
+        await api.aclose()
+    return cancelled
