@@ -392,7 +392,7 @@ def gc(ctx: Context, older_than: str, everything: bool) -> None:
     kept = "" if everything else f", kept {done.kept:,} answers for reuse"
     say(f"removed {len(done.jobs)} job(s): {done.removed:,} items{kept}")
     for name in done.running:
-        say(f"left {name} alone: a worker is running it")
+        say(f"left {name} alone: a worker is running it, or a batch of it is open")
 
 
 @main.command()

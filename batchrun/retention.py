@@ -18,7 +18,7 @@ class GcReport:
     jobs: list[str]  # old jobs collected (their results files and logs removed too)
     removed: int  # item rows deleted
     kept: int  # answers kept for reuse (their request bodies emptied)
-    running: list[str]  # old jobs left alone because a worker is running them
+    running: list[str]  # old jobs left alone: a worker runs them, or a batch may answer them
 
 
 def gc(

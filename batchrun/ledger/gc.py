@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, and_, delete, select, update
 
 from batchrun.ledger import workers
-from batchrun.ledger.schema import items, jobs, waits
+from batchrun.ledger.chunks import CLOSED
+from batchrun.ledger.schema import chunks, items, jobs, waits
 from batchrun.ledger.schema import workers as worker_rows
 
 
@@ -37,6 +38,12 @@ def collect(conn: Connection, *, before: float, everything: bool, ttl: float) ->
         if any(w.alive(now, ttl) for w in workers.listed(conn, name, live=True)):
             running.append(name)
             continue
+        at_provider = select(chunks.c.chunk).where(
+            chunks.c.job == name, chunks.c.state.not_in(CLOSED)
+        )
+        if conn.execute(at_provider).first() is not None:  # a batch may still answer it
+            running.append(name)
+            continue
         source = and_(items.c.status == "done", items.c.answer_spec.is_not(None))
         doomed = delete(items).where(items.c.job == name)
         if not everything:
@@ -46,6 +53,7 @@ def collect(conn: Connection, *, before: float, everything: bool, ttl: float) ->
         removed += int(conn.execute(doomed).rowcount)
         conn.execute(delete(worker_rows).where(worker_rows.c.job == name))
         conn.execute(delete(waits).where(waits.c.job == name))
+        conn.execute(delete(chunks).where(chunks.c.job == name))
         if everything:
             conn.execute(delete(jobs).where(jobs.c.name == name))
         collected.append(name)

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from batchrun import hosted, jobs
+from batchrun import hosted, jobs, retention
 from batchrun.config import resolve
 from batchrun.errors import UsageError
 from batchrun.jobs import Home
@@ -266,3 +266,19 @@ async def test_an_invalid_batch_answer_is_repaired_online_as_a_follow_up(tmp_pat
     stored = list(ledger.iter_results("j"))
     assert all(item.repairs == 1 and item.parsed for item in stored)
     assert all(item.completion_tokens for item in stored)  # the batch answer's tokens counted
+
+
+@pytest.mark.anyio
+async def test_gc_leaves_a_job_with_batches_at_the_provider_alone(tmp_path: Path) -> None:
+    ledger, home, spec = load(tmp_path, 6)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hosted, "_crash_point", lambda name: _kill(name, "created"))
+        with pytest.raises(Killed):
+            await run(ledger, home, spec, sim())
+    done = retention.gc("0m", everything=True, home=tmp_path)
+    assert done.running == ["j"] and ledger.counts("j")["batched"] == 6
+
+
+def _kill(name: str, at: str) -> None:
+    if name == at:
+        raise Killed(name)
