@@ -85,9 +85,11 @@ class HostedRun:
         """Reconcile and submit open chunks; with `send`, make batches of what is pending
         and wait for them all; without (a `--mode online` run), collect what has finished."""
         for chunk in self.store.listed(self.name, open_only=True):
-            lease = self.store.take(self.name, chunk.chunk, owner=self.owner, lease=LEASE_S)
-            if chunk.batch_id is None and lease:  # another run may be submitting it now
+            if chunk.batch_id is not None:
+                continue
+            if self.store.take(self.name, chunk.chunk, owner=self.owner, lease=LEASE_S):
                 await self._submit(chunk, self.store.lines(self.name, chunk.chunk))
+            # else another live run is submitting it now
         while send and await self._next_chunk():
             pass
         await self._poll(wait=send)
@@ -230,10 +232,11 @@ class HostedRun:
     async def _collect(self, chunk: Chunk, batch: dict[str, Any]) -> None:
         """Record a finished batch's answers; the rest of its lines go back to pending."""
         items = {item.line: item for item in self.store.lines(self.name, chunk.chunk)}
-        _crash_point("downloading")
         results: list[ItemResult] = []
         followups: dict[int, dict[str, Any]] = {}  # answers a repair or longer retry follows
-        for record in await self._file(batch.get("output_file_id")):
+        output = await self._file(batch.get("output_file_id"))
+        _crash_point("downloading")  # downloaded, nothing recorded yet
+        for record in output:
             result = self._result(items, record, followups)
             if result is not None:
                 results.append(result)

@@ -1,8 +1,8 @@
 """`--mode batch` with the real CLI against `batchrun sim`'s Batch API: the OpenAI SDK's own
 batches client talks to the simulator; `kill -9` (BATCHRUN_CRASH_AT, the test mode) between the
-upload and the create, between the create and its record, and before the download, ten times
-each: no second batch for the same items at the provider, nothing lost, nothing recorded twice;
-an expired batch finishes online; `cancel`."""
+upload and the create, between the create and its record, and after the download before
+anything is recorded, ten times each: no second batch for the same items at the provider,
+nothing lost, nothing recorded twice; an expired batch finishes online; `cancel`."""
 
 from __future__ import annotations
 
