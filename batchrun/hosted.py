@@ -79,6 +79,7 @@ class HostedRun:
         self.store = ledger.chunks
         self.stats = HostedStats()
         self._answer_spec = answer_spec(spec)
+        self._defaults = spec.request_defaults()
         self.owner = run_owner()  # this run, as the chunks it submits know it
 
     async def run(self, *, send: bool) -> HostedStats:
@@ -88,7 +89,8 @@ class HostedRun:
             if chunk.batch_id is not None:
                 continue
             if self.store.take(self.name, chunk.chunk, owner=self.owner, lease=LEASE_S):
-                await self._submit(chunk, self.store.lines(self.name, chunk.chunk))
+                items = self.store.lines(self.name, chunk.chunk)
+                await self._submit(chunk, items, [self._line(item) for item in items])
             # else another live run is submitting it now
         while send and await self._next_chunk():
             pass
@@ -100,25 +102,26 @@ class HostedRun:
         pending = self.store.pending(self.name, self.spec.batch_max_requests)
         if not pending:
             return False
-        picked: list[ClaimedItem] = []
+        picked: dict[int, tuple[ClaimedItem, bytes]] = {}  # line -> the item, its JSONL line
         size = 0
         for item in pending:
-            size += len(self._line(item))
+            encoded = self._line(item)
+            size += len(encoded)
             if item.endpoint != pending[0].endpoint or (
                 picked and size > self.spec.batch_max_bytes
             ):
                 break
-            picked.append(item)
-        number, lines = self.store.start(
-            self.name, [item.line for item in picked], owner=self.owner, lease=LEASE_S
-        )
-        if lines:
+            picked[item.line] = (item, encoded)
+        number, lines = self.store.start(self.name, list(picked), owner=self.owner, lease=LEASE_S)
+        if lines:  # those still pending when it started (another run may have taken some)
             chunk = next(c for c in self.store.listed(self.name) if c.chunk == number)
-            wanted = set(lines)
-            await self._submit(chunk, [i for i in picked if i.line in wanted], fresh=True)
+            items = [picked[line][0] for line in lines]
+            await self._submit(chunk, items, [picked[line][1] for line in lines], fresh=True)
         return True
 
-    async def _submit(self, chunk: Chunk, items: list[ClaimedItem], *, fresh: bool = False) -> None:
+    async def _submit(
+        self, chunk: Chunk, items: list[ClaimedItem], encoded: list[bytes], *, fresh: bool = False
+    ) -> None:
         """Upload and create a chunk's batch, unless the provider has it already (a run
         before this one, killed after the create). A refusal (4xx) puts its lines back."""
         number = chunk.chunk
@@ -133,7 +136,7 @@ class HostedRun:
         if not items:
             self.store.close(self.name, number)
             return
-        content = b"".join(self._line(item) for item in items)
+        content = b"".join(encoded)
         try:
             file_id = await self._patiently(
                 lambda: self.api.upload(f"{self.name}-{number}.jsonl", content)
@@ -180,7 +183,7 @@ class HostedRun:
                 wait = min(30.0, wait * 2)
 
     def _line(self, item: ClaimedItem) -> bytes:
-        body = self.rules.plan(item.endpoint, {**self.spec.request_defaults(), **item.body})
+        body = self.rules.plan(item.endpoint, {**self._defaults, **item.body})
         request = {
             "custom_id": str(item.line),
             "method": "POST",
@@ -291,7 +294,7 @@ class HostedRun:
             )
         except RequestError:
             return None
-        plan = self.rules.plan(item.endpoint, {**self.spec.request_defaults(), **item.body})
+        plan = self.rules.plan(item.endpoint, {**self._defaults, **item.body})
         outcome = plan.judge(completion)
         self.stats.prompt_tokens += completion.prompt_tokens or 0
         self.stats.completion_tokens += completion.completion_tokens or 0

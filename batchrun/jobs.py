@@ -255,59 +255,14 @@ async def run_job(
     """Run every item that is not final yet: as hosted batches with --mode batch (or while
     batches of the job are open), then, with --then online (or --mode online), as ordinary
     requests. Ctrl-C/SIGTERM stop it gracefully."""
-    batched = None
-    if spec.mode == "batch" or ledger.chunks.listed(name, open_only=True):
-        log = JobLog(home.log_path(name), name, redact=spec.redact)
-        try:  # earlier jobs' answers and repeated lines first: pay only for what changed
-            await anyio.to_thread.run_sync(_reuse, ledger, name, spec, log)
-            batched = await batch_mode.run_batches(
-                ledger,
-                name,
-                spec,
-                log=log,
-                rules=output_rules(spec),
-                transport=transport,
-                handle_signals=handle_signals,
-            )
-        finally:
-            log.close()
-        online = spec.mode == "online" or spec.then == "online"
-        if (
-            batched.aborted
-            or batched.interrupted
-            or not online
-            or not ledger.counts(name)["pending"]
-        ):
-            return batched
-    stats = await _run_online(
-        ledger,
-        home,
-        name,
-        spec,
-        transport=transport,
-        settings=settings,
-        handle_signals=handle_signals,
-        on_progress=on_progress,
-        on_message=on_message,
+    batched = await _batches_first(
+        ledger, home, name, spec, transport=transport, handle_signals=handle_signals
     )
     if batched is not None:
-        stats.recorded += batched.recorded
-        stats.batches, stats.batch_tokens = batched.batches, batched.batch_tokens
-    return stats
-
-
-async def _run_online(
-    ledger: Ledger,
-    home: Home,
-    name: str,
-    spec: RunSpec,
-    *,
-    transport: Transport | None = None,
-    settings: RunnerSettings | None = None,
-    handle_signals: bool = True,
-    on_progress: Callable[[ProgressUpdate], None] | None = None,
-    on_message: Callable[[str], None] | None = None,
-) -> RunStats:
+        online = spec.mode == "online" or spec.then == "online"
+        stopped = batched.aborted or batched.interrupted
+        if stopped or not online or not ledger.counts(name)["pending"]:
+            return batched
     rules = output_rules(spec)
     settings = settings or RunnerSettings(lease_ttl=spec.lease)
     log = JobLog(home.log_path(name), name, redact=spec.redact)
@@ -355,14 +310,51 @@ async def _run_online(
                     tg.cancel_scope.cancel()
             except BaseExceptionGroup as group:
                 raise single_error(group) from None
-            return stats
+            return _after(batched, stats)
     except FatalError as exc:
         if opened:
             raise
         log.event("abort", error=str(exc), kind=type(exc).__name__)  # no endpoint to send to
-        return RunStats(aborted=str(exc))
+        return _after(batched, RunStats(aborted=str(exc)))
     finally:
         log.close()
+
+
+async def _batches_first(
+    ledger: Ledger,
+    home: Home,
+    name: str,
+    spec: RunSpec,
+    *,
+    transport: Transport | None,
+    handle_signals: bool,
+) -> RunStats | None:
+    """With --mode batch, or while the job has batches open: earlier answers and repeated
+    lines first (pay only for what changed), then the hosted batches. None: not batch mode."""
+    if spec.mode != "batch" and not ledger.chunks.listed(name, open_only=True):
+        return None
+    log = JobLog(home.log_path(name), name, redact=spec.redact)
+    try:
+        await anyio.to_thread.run_sync(_reuse, ledger, name, spec, log)
+        return await batch_mode.run_batches(
+            ledger,
+            name,
+            spec,
+            log=log,
+            rules=output_rules(spec),
+            transport=transport,
+            handle_signals=handle_signals,
+        )
+    finally:
+        log.close()
+
+
+def _after(batched: RunStats | None, stats: RunStats) -> RunStats:
+    """An online run's stats, counting what batches did before it."""
+    if batched is not None:
+        stats.recorded += batched.recorded
+        stats.batches, stats.batch_tokens = batched.batches, batched.batch_tokens
+    return stats
 
 
 def output_rules(spec: RunSpec) -> OutputRules:

@@ -25,8 +25,10 @@ class Killed(Exception):
     """Where a test's `kill -9` lands: nothing after it runs."""
 
 
-def load(tmp_path: Path, n: int, **options: Any) -> tuple[Ledger, Home, Any]:
-    home = Home.at(tmp_path, None)
+def load(
+    tmp_path: Path, n: int, url: str | None = None, **options: Any
+) -> tuple[Ledger, Home, Any]:
+    home = Home.at(tmp_path, url)
     ledger = Ledger(home.ledger_url)
     lines = [{"id": f"p{i}", "prompt": f"prompt number {i}"} for i in range(n)]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -60,8 +62,10 @@ def output(tmp_path: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.anyio
-async def test_a_job_runs_as_batches_within_the_request_limit(tmp_path: Path) -> None:
-    ledger, home, spec = load(tmp_path, 20, batch_max_requests=7)
+async def test_a_job_runs_as_batches_within_the_request_limit(
+    tmp_path: Path, ledger_url: str
+) -> None:
+    ledger, home, spec = load(tmp_path, 20, ledger_url, batch_max_requests=7)
     model = sim()
     stats = await run(ledger, home, spec, model)
     assert ledger.counts("j")["done"] == 20 and stats.batches == 3 == model.batches.created
@@ -74,8 +78,10 @@ async def test_a_job_runs_as_batches_within_the_request_limit(tmp_path: Path) ->
 
 
 @pytest.mark.anyio
-async def test_an_expired_batch_finishes_its_other_half_online(tmp_path: Path) -> None:
-    ledger, home, spec = load(tmp_path, 20, then="online")
+async def test_an_expired_batch_finishes_its_other_half_online(
+    tmp_path: Path, ledger_url: str
+) -> None:
+    ledger, home, spec = load(tmp_path, 20, ledger_url, then="online")
     model = sim(batch_seconds=1.0, batch_window_s=0.5)
     stats = await run(ledger, home, spec, model)
     assert ledger.counts("j")["done"] == 20 and stats.batches == 1
@@ -95,9 +101,9 @@ async def test_without_then_online_the_rest_waits_pending(tmp_path: Path) -> Non
 @pytest.mark.parametrize("point", hosted.CRASH_POINTS)
 @pytest.mark.anyio
 async def test_a_run_killed_at_each_point_resumes_without_a_second_batch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str, ledger_url: str
 ) -> None:
-    ledger, home, spec = load(tmp_path, 12)
+    ledger, home, spec = load(tmp_path, 12, ledger_url)
     model = sim()
 
     def crash(name: str) -> None:
