@@ -137,9 +137,9 @@ RUN_OPTIONS: list[Callable[[F], F]] = [
     ),
     click.option(
         "--server-metrics",
-        help="Where the server publishes its running/waiting request counts (Prometheus), for "
-        "--concurrency auto: auto (the endpoint's /metrics, used when it has them), a URL, "
-        "or off [auto].",
+        help="Where the server publishes its running/waiting request counts, for "
+        "--concurrency auto: auto (the endpoint's /metrics, else llama-server's /slots, used "
+        "when it has them), a URL, or off [auto].",
     ),
     click.option(
         "--rpm",

@@ -185,14 +185,15 @@ class ConcurrencyController:
     def server_load(self, now: float, load: ServerLoad, *, in_flight: int) -> Change | None:
         """The server's own running/waiting counts: keep its batch full, its queue near 0."""
         self.metrics = True
+        waiting = load.waiting if load.waiting is not None else _beyond_slots(load, in_flight)
         allowance = max(1.0, 0.05 * load.running)
-        if load.waiting > allowance:
+        if waiting > allowance:
             self._roomy_reads = 0
             self._waiting_reads += 1
             if self.phase == "ramp" or self._waiting_reads >= 2:
                 # Ours that run: in flight less those waiting, and never more than the server
                 # runs (on a busy client some of "in flight" have not reached it yet).
-                ours = in_flight - load.waiting
+                ours = in_flight - waiting
                 running = min(ours, load.running) if load.running else ours
                 target = math.ceil(running + allowance)
                 if target < self.limit:
@@ -200,10 +201,11 @@ class ConcurrencyController:
             return None
         self._waiting_reads = 0
         full = load.kv_usage is not None and load.kv_usage >= 0.9
+        full = full or (load.slots is not None and load.running >= load.slots)
         binding = in_flight >= FULL_WINDOW * self.limit
         # Our requests are at the server, not answered and still being read by a busy client
         # (then more in flight would only wait in the client).
-        arrived = load.running + load.waiting >= FULL_WINDOW * in_flight
+        arrived = load.running + waiting >= FULL_WINDOW * in_flight
         self._roomy_reads = self._roomy_reads + 1 if binding and arrived and not full else 0
         if self.phase != "ramp" and self._roomy_reads >= 2:
             self._roomy_reads = 0
@@ -393,3 +395,12 @@ class ConcurrencyController:
         self._reported = change.limit
         self.history.append((now, change))
         return change
+
+
+def _beyond_slots(load: ServerLoad, in_flight: int) -> float:
+    """Requests waiting, for a server that says how many slots it has but not how many wait
+    (llama-server's /slots): none while a slot is free (it starts a request as soon as one
+    is), and once every slot is busy, ours in flight beyond them (other clients' are unseen)."""
+    if load.slots is None or load.running < load.slots:
+        return 0.0
+    return max(0.0, in_flight - load.running)

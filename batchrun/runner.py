@@ -41,6 +41,7 @@ from batchrun.reuse import answer_spec
 from batchrun.routes import by_prefix
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.sender import Sender
+from batchrun.server_metrics import ServerLoad
 from batchrun.structured import OutputRules
 from batchrun.throttle import Throttle
 
@@ -226,8 +227,21 @@ class Runner:
             )
 
     async def _watch_server(self, lane: Lane) -> None:
-        assert lane.route.server_load is not None
-        if not await lane.throttle.watch_server(lane.route.server_load):
+        read = lane.route.server_load
+        assert read is not None
+        found = False
+
+        async def logged() -> ServerLoad | None:
+            nonlocal found
+            load = await read()
+            if load is not None and not found:  # which page of which engine drives the limit
+                found = True
+                self.log.event(
+                    "server_metrics", available=True, source=load.source, endpoint=lane.name
+                )
+            return load
+
+        if not await lane.throttle.watch_server(logged):
             self.log.event("server_metrics", available=False, endpoint=lane.name)
 
     def _endpoints(self) -> dict[str, Any] | None:

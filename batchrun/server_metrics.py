@@ -1,4 +1,5 @@
-"""A server's own count of running and waiting requests, read from its Prometheus /metrics page.
+"""A server's own count of running and waiting requests, read from its Prometheus /metrics page
+(or, for llama-server started without --metrics, from its /slots page).
 
 Inference engines know what the client can only guess: how many requests they are decoding in
 their batch and how many wait for a slot. Where an endpoint publishes those counts, the
@@ -13,7 +14,10 @@ The names, checked against the engines' sources:
   `sglang:num_queue_reqs`, `sglang:token_usage`.
 - llama.cpp's llama-server (tools/server/server-task.cpp, with --metrics):
   `llamacpp:requests_processing`, `llamacpp:requests_deferred`; older builds also had
-  `llamacpp:kv_cache_usage_ratio`.
+  `llamacpp:kv_cache_usage_ratio`. Without --metrics it still serves GET /slots (on by default,
+  `--no-slots` turns it off): a JSON array, one object per slot, busy when `is_processing` is
+  true (older builds: `state` other than 0). That says how many slots it has and how many run,
+  not how many wait.
 """
 
 from __future__ import annotations
@@ -23,16 +27,21 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
+import orjson
+
 
 @dataclass(frozen=True, slots=True)
 class ServerLoad:
     """What the server says about itself: requests in its batch, requests queued for a slot, and
-    how full its KV cache is (0..1) where it says so; `source` names the engine recognised."""
+    how full its KV cache is (0..1) where it says so; `source` names the engine recognised.
+    `slots`: how many requests it runs at once, where it says so instead of counting those
+    that wait (llama-server's /slots: `waiting` is None)."""
 
     running: float
-    waiting: float
+    waiting: float | None
     kv_usage: float | None = None
     source: str = ""
+    slots: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +71,33 @@ _WANTED = frozenset(name for e in ENGINES for name in (e.running, e.waiting, *e.
 _NAME_END = re.compile(r"[{\s]")  # a sample's name runs up to its labels or its value
 
 
+def parse_load(text: str) -> ServerLoad | None:
+    """The load on a page that is either a Prometheus page or llama-server's /slots array."""
+    return parse_slots(text) if text.lstrip().startswith("[") else parse_metrics(text)
+
+
+def parse_slots(text: str) -> ServerLoad | None:
+    """llama-server's /slots page as a load (`waiting` None), or None when it is not one."""
+    try:
+        slots = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(slots, list) or not slots or not all(isinstance(s, dict) for s in slots):
+        return None
+    busy = [_busy(slot) for slot in slots]
+    if None in busy:
+        return None
+    return ServerLoad(float(sum(map(bool, busy))), None, None, "llamacpp-slots", len(slots))
+
+
+def _busy(slot: dict[str, object]) -> bool | None:
+    processing = slot.get("is_processing")
+    if isinstance(processing, bool):
+        return processing
+    state = slot.get("state")  # builds before is_processing: 0 idle, 1 processing
+    return state != 0 if isinstance(state, int) and not isinstance(state, bool) else None
+
+
 def parse_metrics(text: str) -> ServerLoad | None:
     """The load in a Prometheus text page, or None when no known engine's pair of counts is there.
 
@@ -77,8 +113,9 @@ def parse_metrics(text: str) -> ServerLoad | None:
     return None
 
 
-def metrics_url(base_url: str) -> str:
-    """Where the endpoint at `base_url` publishes its metrics.
+def metrics_url(base_url: str, page: str = "metrics") -> str:
+    """Where the endpoint at `base_url` publishes its metrics (`page="slots"`: llama-server's
+    slots).
 
     Engines serve the OpenAI API under /v1 and /metrics at their root, so a trailing /v1 is
     dropped (`http://host:8000/v1` -> `http://host:8000/metrics`). Any path before it is kept:
@@ -88,7 +125,7 @@ def metrics_url(base_url: str) -> str:
     path = parts.path.rstrip("/")
     if path.endswith("/v1"):
         path = path[: -len("/v1")]
-    return urlunsplit((parts.scheme, parts.netloc, path + "/metrics", "", ""))
+    return urlunsplit((parts.scheme, parts.netloc, f"{path}/{page}", "", ""))
 
 
 def _samples(text: str) -> dict[str, list[float]]:

@@ -46,11 +46,13 @@ def metrics_reader(spec: RunSpec, transport: Transport | None = None) -> Metrics
     """Where `--concurrency auto` reads the server's running/waiting counts, unless off."""
     if not spec.adaptive or spec.server_metrics == "off":
         return None
-    url = metrics_url(spec.base_url) if spec.server_metrics == "auto" else spec.server_metrics
+    auto = spec.server_metrics == "auto"
+    url = metrics_url(spec.base_url) if auto else spec.server_metrics
     # The key goes only to the endpoint's own host (llama-server wants it on /metrics).
     same_host = urlsplit(url).netloc == urlsplit(spec.base_url).netloc
     headers = auth_headers(preset_for(spec).auth, checked_key(spec)) if same_host else {}
-    return MetricsReader(url, headers=headers or None, transport=transport)
+    slots = metrics_url(spec.base_url, "slots") if auto else None  # llama-server without them
+    return MetricsReader(url, headers=headers or None, transport=transport, fallback=slots)
 
 
 def checked_key(spec: RunSpec) -> str | None:

@@ -1,4 +1,5 @@
-"""Reads a server's Prometheus /metrics page: its own count of running and waiting requests.
+"""Reads a server's Prometheus /metrics page (or llama-server's /slots): its own count of running
+and waiting requests.
 
 Best effort by design: the concurrency controller polls it about once a second and falls back to
 its own signals on None, so whatever the server does wrong (no /metrics, an error status, a hang,
@@ -13,7 +14,7 @@ from collections.abc import Mapping
 import anyio
 import httpx
 
-from batchrun.server_metrics import ServerLoad, parse_metrics
+from batchrun.server_metrics import ServerLoad, parse_load
 
 DEFAULT_TIMEOUT_S = 1.0  # a poll that takes longer is stale by the time it lands
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a page is tens of KiB, a few hundred with many engines
@@ -21,6 +22,9 @@ MAX_BODY_BYTES = 4 * 1024 * 1024  # a page is tens of KiB, a few hundred with ma
 
 class MetricsReader:
     """GETs one metrics URL with its own client (closed by `aclose`, with any injected transport).
+
+    `fallback`: a second page read when `url` gives nothing (llama-server's /slots when it was
+    started without --metrics); whichever page first gives a load is the only one read after.
 
     `headers` may carry the endpoint's Authorization header (llama-server wants the key on
     /metrics); it is sent, never logged: `last_error` says why a read gave None in words that hold
@@ -34,8 +38,10 @@ class MetricsReader:
         timeout: float = DEFAULT_TIMEOUT_S,
         transport: httpx.AsyncBaseTransport | None = None,
         max_bytes: int = MAX_BODY_BYTES,
+        fallback: str | None = None,
     ) -> None:
         self.url = url
+        self._urls = [url] if fallback is None else [url, fallback]
         self.timeout = timeout
         self.max_bytes = max_bytes
         self.last_error: str | None = None
@@ -45,14 +51,26 @@ class MetricsReader:
 
     async def read(self) -> ServerLoad | None:
         """The server's load now, or None when it does not say (`last_error` says why)."""
+        errors: list[str] = []
+        for url in self._urls:
+            load = await self._read(url)
+            if load is not None:
+                self._urls = [url]
+                self.last_error = None
+                return load
+            errors.append(self.last_error or "")
+        self.last_error = "; ".join(errors)
+        return None
+
+    async def _read(self, url: str) -> ServerLoad | None:
         self.last_error = None
         body: bytes | None = None
         with anyio.move_on_after(self.timeout):  # all of it, not each read as httpx times it
-            body = await self._fetch()
+            body = await self._fetch(url)
         if body is None:
             self.last_error = self.last_error or f"no whole page within {self.timeout:g}s"
             return None
-        load = parse_metrics(body.decode("utf-8", "replace"))
+        load = parse_load(body.decode("utf-8", "replace"))
         if load is None:
             self.last_error = "no running and waiting counts of a known engine on the page"
         return load
@@ -60,9 +78,9 @@ class MetricsReader:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def _fetch(self) -> bytes | None:
+    async def _fetch(self, url: str) -> bytes | None:
         try:
-            async with self._client.stream("GET", self.url) as response:
+            async with self._client.stream("GET", url) as response:
                 if response.status_code != 200:
                     self.last_error = f"HTTP {response.status_code}"
                     return None

@@ -64,10 +64,11 @@ def require_llama_server() -> Path:
 
 class NativeLlamaServer:
     """One C++ `llama-server` process ("native", against llama-cpp-python's Python server in
-    llamacpp.py) with SLOTS parallel slots and /metrics on."""
+    llamacpp.py) with SLOTS parallel slots, and /metrics on unless `metrics=False`."""
 
-    def __init__(self, binary: Path, log: Path) -> None:
+    def __init__(self, binary: Path, log: Path, *, metrics: bool = True) -> None:
         self.binary = binary
+        self.with_metrics = metrics
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = self.base + "/v1"
@@ -78,7 +79,8 @@ class NativeLlamaServer:
         return [
             str(self.binary),
             *("-m", str(MODEL), "--host", "127.0.0.1", "--port", str(self.port)),
-            *("-np", str(SLOTS), "-c", str(CONTEXT), "--metrics"),
+            *("-np", str(SLOTS), "-c", str(CONTEXT)),
+            *(["--metrics"] if self.with_metrics else []),
             # --threads-http left at its default, as users run it: max(SLOTS + 2, cores - 1)
         ]
 

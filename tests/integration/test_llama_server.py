@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.integration.helpers import CLI, write_prompts
-from tests.integration.llama_server import SLOTS, NativeLlamaServer
+from tests.integration.llama_server import SLOTS, NativeLlamaServer, require_llama_server
 
 PNG = b"\x89PNG\r\n\x1a\n"
 ITEMS = 300
@@ -99,6 +99,39 @@ def test_a_300_item_job_streams_to_completion_under_auto_concurrency(
     # connections than the server has HTTP threads (max(--parallel + 2, cores - 1) = 10).
     errors = [e for e in _attempts(cli, "auto") if e["status"] != "ok"]
     assert {e["error_kind"] for e in errors} <= {"ConnectionFailed"}, errors[:3]
+    found, _changes = _server_metrics(cli, "auto")
+    assert [(e["available"], e["source"]) for e in found] == [(True, "llamacpp")]
+
+
+def _server_metrics(cli: CLI, job: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The job log's server_metrics events, and its concurrency changes."""
+    lines = (cli.home / "logs" / f"{job}.log").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    found = [e for e in events if e["event"] == "server_metrics"]
+    return found, [e for e in events if e["event"] == "concurrency"]
+
+
+def test_auto_reads_the_slots_page_of_a_server_started_without_metrics(
+    cli: CLI, tmp_path: Path
+) -> None:
+    """llama-server as most users start it (no --metrics) still says, on /slots, how many slots
+    it has and how many are busy: `auto` settles just above the slots, not where first tokens
+    happened to rise."""
+    server = NativeLlamaServer(require_llama_server(), tmp_path / "server.log", metrics=False)
+    try:
+        server.start()
+        inp = tmp_path / "slots.jsonl"
+        write_prompts(inp, ITEMS)
+        rows = _submit(cli, server, inp, "--stream")
+    finally:
+        server.kill()
+    _check_complete(rows, cli, "slots")
+    found, changes = _server_metrics(cli, "slots")
+    assert [(e["available"], e["source"]) for e in found] == [(True, "llamacpp-slots")]
+    queued = [e for e in changes if e["reason"] == "queue"]
+    assert queued and queued[0]["signal"] == "server metrics"
+    assert queued[0]["limit"] == SLOTS + 1  # the busy slots, and one on its way
+    assert all(e["limit"] <= 2 * SLOTS for e in changes[changes.index(queued[0]) :])
 
 
 def test_a_300_item_job_without_streaming_at_a_fixed_8_fills_the_slots(

@@ -274,6 +274,27 @@ def test_server_metrics_end_the_ramp_at_the_queue() -> None:
     assert ctl.metrics  # from now on time to first token is no longer the queue signal
 
 
+def test_slots_without_a_waiting_count_end_the_ramp_just_above_them() -> None:
+    """llama-server's /slots: 8 slots, all busy, 30 of ours in flight: the 22 beyond the busy
+    slots wait there. Settle at the slots plus one, and do not grow while every slot is busy."""
+    ctl = ConcurrencyController(initial=30)
+    busy = ServerLoad(running=8, waiting=None, slots=8)
+    change = ctl.server_load(1.0, busy, in_flight=30)
+    assert change is not None and change.reason == "queue" and change.limit == 9
+    for t in (2.0, 2.5, 3.0):  # 9 in flight, 8 running: one waits, within the allowance
+        assert ctl.server_load(t, busy, in_flight=9) is None
+    assert ctl.limit == 9
+
+
+def test_free_slots_are_room_to_grow() -> None:
+    ctl = ConcurrencyController(initial=4)
+    ctl.phase = "steady"
+    half = ServerLoad(running=4, waiting=None, slots=8)
+    ctl.server_load(1.0, half, in_flight=4)
+    change = ctl.server_load(1.5, half, in_flight=4)
+    assert change is not None and change.reason == "room" and change.limit == 5
+
+
 def test_once_settled_answers_sent_under_an_old_limit_say_nothing_about_this_one() -> None:
     ctl = ConcurrencyController(initial=4)
     ctl.phase = "steady"  # (while ramping, what a lower level showed still counts)

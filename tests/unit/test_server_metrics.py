@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from batchrun.backends.metrics_reader import MetricsReader
-from batchrun.server_metrics import ServerLoad, metrics_url, parse_metrics
+from batchrun.server_metrics import ServerLoad, metrics_url, parse_load, parse_metrics
 from batchrun.sim import SimConfig, SimModel, SimServer, SimTransport
 from tests.fakes import served_by_sim_cli
 from tests.unit.test_capacity import Clock
@@ -106,6 +106,18 @@ llamacpp:n_busy_slots_per_decode 3.5
 """
 
 
+# llama-server without --metrics: GET /slots (on by default). Captured from llama.cpp b1-0c1e570
+# (`llama-server -np 4`) with two slots busy; a busy slot's fields trimmed to a few.
+SLOTS = """[
+ {"id": 0, "n_ctx": 1024, "speculative": false, "is_processing": true, "id_task": 41,
+  "params": {"n_predict": 64, "temperature": 0.8}, "next_token": [{"n_decoded": 12}]},
+ {"id": 1, "n_ctx": 1024, "speculative": false, "is_processing": false},
+ {"id": 2, "n_ctx": 1024, "speculative": false, "is_processing": true, "id_task": 42},
+ {"id": 3, "n_ctx": 1024, "speculative": false, "is_processing": false}
+]"""
+OLD_SLOTS = '[{"id": 0, "state": 1}, {"id": 1, "state": 0}, {"id": 2, "state": 1}]'
+
+
 async def post_chat(client: httpx.AsyncClient, content: str) -> None:
     body = {"model": "sim-1", "messages": [{"role": "user", "content": content}]}
     response = await client.post("http://sim.test/v1/chat/completions", json=body)
@@ -127,6 +139,27 @@ async def post_chat(client: httpx.AsyncClient, content: str) -> None:
 )
 def test_each_engines_page_gives_its_running_and_waiting(text: str, expected: ServerLoad) -> None:
     assert parse_metrics(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "running", "slots"), [(SLOTS, 2.0, 4), (OLD_SLOTS, 2.0, 3)], ids=["now", "older"]
+)
+def test_llama_servers_slots_say_how_many_run_of_how_many(
+    text: str, running: float, slots: int
+) -> None:
+    assert parse_load(text) == ServerLoad(running, None, None, "llamacpp-slots", slots)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["[]", "[1, 2]", '[{"id": 0}]', '[{"is_processing": "yes"}]', '[{"state": true}]', "[nope"],
+)
+def test_json_that_is_not_a_slots_page_gives_none(text: str) -> None:
+    assert parse_load(text) is None
+
+
+def test_a_prometheus_page_still_reads_as_one() -> None:
+    assert parse_load(LLAMACPP) == parse_metrics(LLAMACPP)
 
 
 def test_llamacpp_kv_usage_when_the_build_reports_it() -> None:
@@ -289,6 +322,40 @@ async def test_sim_without_metrics_is_404_and_reads_none() -> None:
     try:
         assert await reader.read() is None
         assert reader.last_error == "HTTP 404"
+    finally:
+        await reader.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_server_without_metrics_is_read_from_its_slots_then_only_there() -> None:
+    asked: list[str] = []
+
+    def llama_server(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        if request.url.path == "/slots":
+            return httpx.Response(200, text=SLOTS)
+        return httpx.Response(
+            501, json={"error": {"message": "This server does not support metrics endpoint."}}
+        )
+
+    transport = httpx.MockTransport(llama_server)
+    reader = MetricsReader(URL, transport=transport, fallback="http://sim.test/slots")
+    try:
+        for _ in range(3):
+            load = await reader.read()
+            assert load is not None and (load.running, load.slots) == (2.0, 4)
+        assert asked == ["/metrics", "/slots", "/slots", "/slots"]  # found: the one page
+    finally:
+        await reader.aclose()
+
+
+@pytest.mark.anyio
+async def test_neither_page_says_why_for_each() -> None:
+    transport = httpx.MockTransport(lambda _r: httpx.Response(404))
+    reader = MetricsReader(URL, transport=transport, fallback="http://sim.test/slots")
+    try:
+        assert await reader.read() is None
+        assert reader.last_error == "HTTP 404; HTTP 404"
     finally:
         await reader.aclose()
 
