@@ -16,12 +16,14 @@ Its contract with the backend, beyond httpx.AsyncBaseTransport's:
   for the request, `http11.send_request_headers.started` when it goes out on one (told by the
   connector as it hands the connection over: aiohttp's own tracing costs a signal per event
   and per body read, a fifth of its cost per request);
-- response bodies are handed over as they arrive, whole network reads at a time.
+- response bodies are handed over as they arrive, whole network reads at a time, or in one
+  piece (`AiohttpBody.read`) when the caller wants all of it anyway.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
@@ -86,11 +88,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         session = self._open()
         timeouts = request.extensions.get("timeout", {})
-        timeout = aiohttp.ClientTimeout(
-            total=None,
-            sock_connect=timeouts.get("connect", CONNECT_S),
-            sock_read=timeouts.get("read"),
-        )
+        timeout = _client_timeout(timeouts.get("connect", CONNECT_S), timeouts.get("read"))
         token = _trace.set(request.extensions.get("trace"))
         try:
             response = await session.request(
@@ -108,7 +106,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         return httpx.Response(
             status_code=response.status,
             headers=response.raw_headers,
-            stream=_Body(response),
+            stream=AiohttpBody(response),
             extensions={"http_version": b"HTTP/1.1"},
         )
 
@@ -118,9 +116,28 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             self._session = None
 
 
-class _Body(httpx.AsyncByteStream):
+@functools.lru_cache(maxsize=16)
+def _client_timeout(connect: float, read: float | None) -> aiohttp.ClientTimeout:
+    """One per pair of values (they are the same for every request of a job), not per request."""
+    return aiohttp.ClientTimeout(total=None, sock_connect=connect, sock_read=read)
+
+
+class AiohttpBody(httpx.AsyncByteStream):
+    """A response body from aiohttp: iterated as it arrives, or `read` whole."""
+
     def __init__(self, response: aiohttp.ClientResponse) -> None:
         self._response = response
+
+    def ended(self) -> bool:
+        """Whether the body's end has come in (its last bytes may be unread): the connection
+        can go back to the pool without a read that waits."""
+        return self._response.content.is_eof()
+
+    async def read(self) -> bytes:
+        try:
+            return await self._response.read()
+        except Exception as exc:
+            raise _mapped(exc, before_response=False) from exc
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         content = self._response.content

@@ -7,7 +7,6 @@ what the answer needs: its text pieces, the finish reason, usage, and when conte
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -94,8 +93,7 @@ class StreamedAnswer:
             raise StreamCut("stream ended before its final chunk (no finish_reason)")
         ttft = self.times[0] if self.times else None
         text = "".join(self.pieces)
-        made = completion(text, self.finish, self.usage, self.started, ttft)
-        return replace(made, chunk_times=tuple(self.times))
+        return completion(text, self.finish, self.usage, self.started, ttft, tuple(self.times))
 
 
 def _parse_all(datas: list[bytes]) -> list[Any]:
@@ -162,7 +160,12 @@ def choice_text(choice: dict[str, Any], endpoint: str, *, streamed: bool) -> str
 
 
 def completion(
-    text: str, finish: str | None, usage: Any, started: float, ttft: float | None
+    text: str,
+    finish: str | None,
+    usage: Any,
+    started: float,
+    ttft: float | None,
+    chunk_times: tuple[float, ...] = (),
 ) -> Completion:
     usage = usage if isinstance(usage, dict) else {}
     timing = {k: float(usage[k]) for k in SERVER_TIMING if _is_number(usage.get(k))}
@@ -173,6 +176,7 @@ def completion(
         completion_tokens=_int_or_none(usage.get("completion_tokens")),
         latency_s=time.perf_counter() - started,
         ttft_s=ttft,
+        chunk_times=chunk_times,
         server_timing=timing or None,
     )
 

@@ -17,7 +17,7 @@ import httpx
 import orjson
 
 from batchrun import __version__
-from batchrun.backends.aiohttp_transport import AiohttpTransport
+from batchrun.backends.aiohttp_transport import AiohttpBody, AiohttpTransport
 from batchrun.backends.answers import StreamedAnswer, read_json
 from batchrun.backends.base import Completion, CompletionRequest, Watch, auth_headers
 from batchrun.backends.errors_http import error_for_status, rate_info
@@ -64,7 +64,7 @@ class OpenAICompatBackend:
         self._fresh_transport: httpx.AsyncBaseTransport | None = None  # see _fresh
         headers = {"content-type": "application/json", "user-agent": f"batchrun/{__version__}"}
         headers.update(auth_headers(auth, api_key))
-        self._headers = httpx.Headers(headers)
+        self._raw_headers = httpx.Headers(headers).raw
         # No read timeout: every request runs under fail_after(timeout), which a per-read
         # timer (restarted on each network read, one timer a streamed token) cannot beat.
         self._timeouts = httpx.Timeout(timeout, connect=min(timeout, 10.0), read=None).as_dict()
@@ -87,9 +87,14 @@ class OpenAICompatBackend:
         extensions: dict[str, Any] = {"timeout": self._timeouts}
         if trace is not None:
             extensions["trace"] = trace
-        request = httpx.Request(
-            method, url, headers=self._headers, content=content, extensions=extensions
-        )
+        # The body as a stream with its length given: httpx then skips guessing the body's
+        # kind and merging default headers (a third of the cost of building the request).
+        headers = self._raw_headers
+        if content is not None:
+            headers = [*headers, (b"content-length", b"%d" % len(content))]
+        stream = httpx.ByteStream(content or b"")
+        request = httpx.Request(method, url, headers=headers, stream=stream, extensions=extensions)
+        request.read()  # `request.content` for transports that read it (the simulator's)
         return await transport.handle_async_request(request)
 
     def _fresh(self) -> httpx.AsyncBaseTransport:
@@ -183,15 +188,16 @@ class OpenAICompatBackend:
         back); a completion has no side effect that a second send would repeat.
         """
         out = self._outgoing(request, stream, watch)
-        try:
-            with anyio.fail_after(self.timeout):
-                try:
-                    return await self._post(self._transport, out, watch_reuse=True)
-                except _StaleConnection:
-                    self.stale_resends += 1
-                    return await self._post(self._fresh(), out, watch_reuse=False)
-        except TimeoutError:
-            raise RequestTimeout(f"no complete answer within {self.timeout:g}s") from None
+        # A bare cancel scope, not fail_after: the same deadline at half the cost per request
+        # (fail_after wraps it in a generator-based context manager). The line after the
+        # block runs only when the deadline cancelled it.
+        with anyio.CancelScope(deadline=anyio.current_time() + self.timeout):
+            try:
+                return await self._post(self._transport, out, watch_reuse=True)
+            except _StaleConnection:
+                self.stale_resends += 1
+                return await self._post(self._fresh(), out, watch_reuse=False)
+        raise RequestTimeout(f"no complete answer within {self.timeout:g}s")
 
     def _outgoing(
         self, request: CompletionRequest, stream: bool | None, watch: Watch | None
@@ -241,7 +247,7 @@ class OpenAICompatBackend:
     async def _read_answer(self, resp: httpx.Response, out: _Outgoing) -> Completion:
         if "text/event-stream" in resp.headers.get("content-type", ""):
             return await self._read_stream(resp, out)
-        return read_json(b"".join([part async for part in _body(resp)]), out.endpoint, out.started)
+        return read_json(await _whole_body(resp), out.endpoint, out.started)
 
     async def _read_stream(self, resp: httpx.Response, out: _Outgoing) -> Completion:
         answer = StreamedAnswer(out.endpoint, out.started, out.watch)
@@ -251,8 +257,9 @@ class OpenAICompatBackend:
             answer.add(decoder.feed(data))
             if answer.done:
                 completion = answer.completion()  # whole (or not) now: its latency ends here
-                spent = time.perf_counter() - out.started
-                await _body_end(body, min(DONE_GRACE_S, (self.timeout - spent) / 2))
+                if not (isinstance(resp.stream, AiohttpBody) and resp.stream.ended()):
+                    spent = time.perf_counter() - out.started
+                    await _body_end(body, min(DONE_GRACE_S, (self.timeout - spent) / 2))
                 return completion
         answer.add(decoder.close())
         if not answer.events:
@@ -335,15 +342,30 @@ class _ConnectionTrace:
         return self.sent and not self.opened
 
 
-async def _body(resp: httpx.Response) -> AsyncIterator[bytes]:
+def _body(resp: httpx.Response) -> AsyncIterator[bytes]:
     """The body as it arrives. We ask for no compression, so it comes as sent: read it as the
-    transport hands it over, unless a server compressed it all the same."""
+    transport hands it over (aiohttp's straight from its reads, one generator rather than
+    three a network read), unless a server compressed it all the same."""
     if resp.is_stream_consumed:  # a response made whole (an injected test transport)
-        yield resp.content
-        return
-    identity = resp.headers.get("content-encoding", "identity") == "identity"
-    async for part in resp.aiter_raw() if identity else resp.aiter_bytes():
-        yield part
+        return _once(resp.content)
+    if resp.headers.get("content-encoding", "identity") != "identity":
+        return resp.aiter_bytes()
+    if isinstance(resp.stream, AiohttpBody):
+        return aiter(resp.stream)
+    return resp.aiter_raw()
+
+
+async def _once(content: bytes) -> AsyncIterator[bytes]:
+    yield content
+
+
+async def _whole_body(resp: httpx.Response) -> bytes:
+    """The whole body: in one read where aiohttp's engine carries it uncompressed (its buffer
+    joined in C, no async iteration per network read), else as it arrives."""
+    encoding = resp.headers.get("content-encoding", "identity")
+    if encoding == "identity" and isinstance(resp.stream, AiohttpBody):
+        return await resp.stream.read()
+    return b"".join([part async for part in _body(resp)])
 
 
 async def _body_end(body: AsyncIterator[bytes], grace: float) -> None:
