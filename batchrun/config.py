@@ -105,7 +105,7 @@ class RunSpec:
     stream: bool = True
     concurrency: int | str = "auto"  # "auto": the adaptive controller (controller.py), or a number
     max_concurrency: int = 256  # the most "auto" may reach
-    server_metrics: str = "auto"  # the server's Prometheus page for "auto": auto | off | a URL
+    server_metrics: str = "auto"  # the server's load page for "auto": auto | off | a URL
     rpm: float | None = None  # client-side pacing: requests per minute
     tpm: float | None = None  # ... and tokens per minute (estimated, corrected by usage)
     max_attempts: int = 5

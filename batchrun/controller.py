@@ -109,6 +109,7 @@ class ConcurrencyController:
         self._waiting_reads = 0  # consecutive server-metrics reads with a queue
         self._roomy_reads = 0  # ... with no queue while our limit was binding
         self.metrics = False  # the server's own metrics are the queue signal
+        self.slots_partial = False  # a slots page proved to describe part of the server
         self.accepted_most = 0  # the most requests in flight that the server has accepted
         self.frontier = True  # pace growth by acceptances (streamed answers only)
 
@@ -182,8 +183,21 @@ class ConcurrencyController:
             return self._evaluate(now)
         return None
 
-    def server_load(self, now: float, load: ServerLoad, *, in_flight: int) -> Change | None:
-        """The server's own running/waiting counts: keep its batch full, its queue near 0."""
+    def server_load(
+        self, now: float, load: ServerLoad, *, in_flight: int, streaming: int = 0
+    ) -> Change | None:
+        """The server's own running/waiting counts: keep its batch full, its queue near 0.
+
+        `streaming`: ours whose answers are coming in now. More of them than a slots page has
+        slots (past a margin for answers the client has yet to read to the end) means the page
+        is one of several servers behind a balancer: from then on it is ignored."""
+        if load.waiting is None and load.slots is not None:
+            if self.slots_partial:
+                return None
+            if streaming > load.slots + max(2, load.slots // 4):
+                self.slots_partial = True
+                self.metrics = False  # first tokens and throughput steer again
+                return self._record(now, Change(self.limit, "slots ignored", "server metrics"))
         self.metrics = True
         waiting = load.waiting if load.waiting is not None else _beyond_slots(load, in_flight)
         allowance = max(1.0, 0.05 * load.running)
@@ -212,6 +226,10 @@ class ConcurrencyController:
             grown = min(self._cap(), self.limit + max(1, self.limit // 8))
             return self._set(now, grown, "room", "server metrics")
         return None
+
+    def server_quiet(self) -> None:
+        """The server's counts stopped coming: first tokens and throughput steer meanwhile."""
+        self.metrics = False
 
     # --- deciding -----------------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ class Throttle:
         self.pacer = pacer
         self.controller = controller
         self.in_flight = 0  # requests on the wire now
+        self.streaming = 0  # ... whose answers have begun to come in
         self.budget: Budget | None = None  # the job's token or cost limit, when it has one
         self.clock = clock
         self._sleep = sleep
@@ -113,19 +114,26 @@ class Throttle:
     async def watch_server(self, read: Callable[[], Awaitable[ServerLoad | None]]) -> bool:
         """Feed the server's own running/waiting counts to the controller until cancelled.
 
-        Returns False at once if the first reads give nothing (no metrics there)."""
+        Returns False at once if the first reads give nothing (no metrics there); once they
+        have given something, three reads in a row without hand the controller back to its own
+        signals until the counts come again."""
         if self.controller is None:
             return False
-        misses = 0
+        found, misses = False, 0
         while True:
             load = await read()
             if load is None:
                 misses += 1
-                if misses >= 3 and not self.controller.metrics:
-                    return False
+                if misses >= 3:
+                    if not found:
+                        return False
+                    self.controller.server_quiet()
             else:
-                now = self.clock()
-                self._apply(self.controller.server_load(now, load, in_flight=self.in_flight))
+                found, misses = True, 0
+                change = self.controller.server_load(
+                    self.clock(), load, in_flight=self.in_flight, streaming=self.streaming
+                )
+                self._apply(change)
             await self._sleep(METRICS_EVERY_S)
 
     def _apply(self, change: Change | None) -> None:
@@ -159,6 +167,7 @@ class Slot:
         self.sent_in_flight = 0  # set when it takes its slot
         self.sent_at_limit = 0
         self.warm: anyio.Event | None = None  # set at the first token, or when it ends
+        self._streaming = False  # its first token has come
 
     async def __aenter__(self) -> Slot:
         t = self._throttle
@@ -186,6 +195,7 @@ class Slot:
             self.warm.set()
         t = self._throttle
         t.in_flight -= 1
+        t.streaming -= self._streaming
         t._slots.release()
         if self._held and t.budget is not None:
             t.budget.settle(*self._split, self._used)
@@ -202,6 +212,9 @@ class Slot:
         if self.warm is not None:
             self.warm.set()
         t = self._throttle
+        if not self._streaming:
+            self._streaming = True
+            t.streaming += 1
         if t.controller is None:
             return
         sent, limit = self.sent_in_flight, self.sent_at_limit

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any
 
@@ -139,7 +139,11 @@ class AiohttpBody(httpx.AsyncByteStream):
         except Exception as exc:
             raise _mapped(exc, before_response=False) from exc
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self.chunks()
+
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        """The body as it arrives, a whole network read at a time."""
         content = self._response.content
         try:
             while True:

@@ -8,7 +8,7 @@ Every HTTP or transport failure leaves this module as a batchrun error type.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -65,7 +65,7 @@ class OpenAICompatBackend:
         headers = {"content-type": "application/json", "user-agent": f"batchrun/{__version__}"}
         headers.update(auth_headers(auth, api_key))
         self._raw_headers = httpx.Headers(headers).raw
-        # No read timeout: every request runs under fail_after(timeout), which a per-read
+        # No read timeout: every request runs under one deadline (timeout), which a per-read
         # timer (restarted on each network read, one timer a streamed token) cannot beat.
         self._timeouts = httpx.Timeout(timeout, connect=min(timeout, 10.0), read=None).as_dict()
         self._urls = {
@@ -89,9 +89,9 @@ class OpenAICompatBackend:
             extensions["trace"] = trace
         # The body as a stream with its length given: httpx then skips guessing the body's
         # kind and merging default headers (a third of the cost of building the request).
-        headers = self._raw_headers
+        headers = [*self._raw_headers, (b"host", url.netloc)]  # httpcore's pool needs it
         if content is not None:
-            headers = [*headers, (b"content-length", b"%d" % len(content))]
+            headers.append((b"content-length", b"%d" % len(content)))
         stream = httpx.ByteStream(content or b"")
         request = httpx.Request(method, url, headers=headers, stream=stream, extensions=extensions)
         request.read()  # `request.content` for transports that read it (the simulator's)
@@ -191,12 +191,15 @@ class OpenAICompatBackend:
         # A bare cancel scope, not fail_after: the same deadline at half the cost per request
         # (fail_after wraps it in a generator-based context manager). The line after the
         # block runs only when the deadline cancelled it.
-        with anyio.CancelScope(deadline=anyio.current_time() + self.timeout):
-            try:
-                return await self._post(self._transport, out, watch_reuse=True)
-            except _StaleConnection:
-                self.stale_resends += 1
-                return await self._post(self._fresh(), out, watch_reuse=False)
+        try:
+            with anyio.CancelScope(deadline=anyio.current_time() + self.timeout):
+                try:
+                    return await self._post(self._transport, out, watch_reuse=True)
+                except _StaleConnection:
+                    self.stale_resends += 1
+                    return await self._post(self._fresh(), out, watch_reuse=False)
+        except TimeoutError:  # a transport's own (an injected one)
+            pass
         raise RequestTimeout(f"no complete answer within {self.timeout:g}s")
 
     def _outgoing(
@@ -257,7 +260,9 @@ class OpenAICompatBackend:
             answer.add(decoder.feed(data))
             if answer.done:
                 completion = answer.completion()  # whole (or not) now: its latency ends here
-                if not (isinstance(resp.stream, AiohttpBody) and resp.stream.ended()):
+                if isinstance(resp.stream, AiohttpBody) and resp.stream.ended():
+                    await body.aclose()  # nothing left to wait for; not left to the loop
+                else:
                     spent = time.perf_counter() - out.started
                     await _body_end(body, min(DONE_GRACE_S, (self.timeout - spent) / 2))
                 return completion
@@ -342,21 +347,26 @@ class _ConnectionTrace:
         return self.sent and not self.opened
 
 
-def _body(resp: httpx.Response) -> AsyncIterator[bytes]:
+def _body(resp: httpx.Response) -> AsyncGenerator[bytes, None]:
     """The body as it arrives. We ask for no compression, so it comes as sent: read it as the
     transport hands it over (aiohttp's straight from its reads, one generator rather than
     three a network read), unless a server compressed it all the same."""
     if resp.is_stream_consumed:  # a response made whole (an injected test transport)
         return _once(resp.content)
     if resp.headers.get("content-encoding", "identity") != "identity":
-        return resp.aiter_bytes()
+        return _passed(resp.aiter_bytes())
     if isinstance(resp.stream, AiohttpBody):
-        return aiter(resp.stream)
-    return resp.aiter_raw()
+        return resp.stream.chunks()
+    return _passed(resp.aiter_raw())
 
 
-async def _once(content: bytes) -> AsyncIterator[bytes]:
+async def _once(content: bytes) -> AsyncGenerator[bytes, None]:
     yield content
+
+
+async def _passed(parts: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
+    async for part in parts:
+        yield part
 
 
 async def _whole_body(resp: httpx.Response) -> bytes:

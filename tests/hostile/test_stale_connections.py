@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 import anyio
+import httpx
 import pytest
 
 from batchrun.backends import CompletionRequest, OpenAICompatBackend
@@ -169,3 +170,18 @@ async def test_bench_counts_no_stale_connection_as_the_servers_failure() -> None
     assert [r.error for r in cell.records if not r.ok] == []
     assert len(cell.records) == 12
     assert server.counts.dropped > 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "plain"])
+async def test_httpxs_own_transport_still_serves_the_backend(stream: bool) -> None:
+    """httpx stays the interface: its own pool (httpcore, which refuses a request without a
+    Host header) works under the backend as aiohttp's does."""
+    async with HostileServer(Behaviour()) as server:
+        transport = httpx.AsyncHTTPTransport()
+        backend = OpenAICompatBackend(server.url, stream=stream, transport=transport)
+        try:
+            assert (await backend.complete(chat("own pool"))).text == "echo: own pool"
+        finally:
+            await backend.aclose()
+            await transport.aclose()

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import anyio
 import httpx
 import orjson
 import pytest
@@ -538,6 +539,29 @@ async def test_read_timeout_is_request_timeout() -> None:
     exc = await fails_with(mock_backend(handler), chat())
     assert isinstance(exc, RequestTimeout)
     assert isinstance(exc, TransientError)
+
+
+@pytest.mark.anyio
+async def test_a_transports_own_timeout_error_is_request_timeout() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise TimeoutError
+
+    exc = await fails_with(mock_backend(handler), chat())
+    assert isinstance(exc, RequestTimeout)
+
+
+@pytest.mark.anyio
+async def test_the_deadline_covers_the_whole_answer() -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        async def slow() -> AsyncIterator[bytes]:
+            yield b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'
+            await anyio.sleep(10)
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=slow())
+
+    with anyio.fail_after(5):
+        exc = await fails_with(mock_backend(handler, timeout=0.2), chat())
+    assert isinstance(exc, RequestTimeout) and "0.2s" in str(exc)
 
 
 # --- the API key ----------------------------------------------------------------------------

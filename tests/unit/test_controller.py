@@ -286,6 +286,27 @@ def test_slots_without_a_waiting_count_end_the_ramp_just_above_them() -> None:
     assert ctl.limit == 9
 
 
+def test_a_slots_page_of_one_server_behind_a_balancer_is_ignored() -> None:
+    """Two 4-slot servers behind one URL: each read describes one of them. Twelve of ours
+    stream at once, more than 4 slots can hold: the page is not the whole server, so it must
+    not cut the limit to 5; first tokens and throughput steer instead."""
+    ctl = ConcurrencyController(initial=16)
+    one = ServerLoad(running=4, waiting=None, slots=4)
+    change = ctl.server_load(1.0, one, in_flight=16, streaming=12)
+    assert change is not None and change.reason == "slots ignored" and change.limit == 16
+    assert not ctl.metrics
+    for t in (1.5, 2.0, 2.5):
+        assert ctl.server_load(t, one, in_flight=16, streaming=4) is None
+    assert ctl.limit == 16 and not ctl.metrics
+
+
+def test_answers_still_being_read_are_not_taken_for_a_balancer() -> None:
+    ctl = ConcurrencyController(initial=12)
+    busy = ServerLoad(running=8, waiting=None, slots=8)
+    change = ctl.server_load(1.0, busy, in_flight=12, streaming=10)  # two ending, client-side
+    assert change is not None and change.reason == "queue" and change.limit == 9
+
+
 def test_free_slots_are_room_to_grow() -> None:
     ctl = ConcurrencyController(initial=4)
     ctl.phase = "steady"

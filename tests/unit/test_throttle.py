@@ -26,6 +26,7 @@ from batchrun.jobs import Home
 from batchrun.ledger import Ledger
 from batchrun.limiter import Pacer
 from batchrun.run_state import RunnerSettings
+from batchrun.server_metrics import ServerLoad
 from batchrun.sim import SimConfig, SimModel, SimTransport
 from batchrun.throttle import Throttle, failure_kind
 
@@ -156,6 +157,33 @@ async def test_without_server_metrics_auto_says_so_and_reads_time_to_first_token
     ).items()
     moves = [e for e in events if e["event"] == "concurrency"]
     assert moves and all(e["signal"] != "server metrics" for e in moves)
+
+
+class Stop(Exception):
+    pass
+
+
+async def no_sleep(_seconds: float) -> None:
+    pass
+
+
+@pytest.mark.anyio
+async def test_a_server_that_stops_saying_hands_back_to_first_tokens_until_it_speaks() -> None:
+    loads: list[ServerLoad | None] = [ServerLoad(4, 0), None, None, None, ServerLoad(4, 0)]
+    controller = ConcurrencyController()
+    throttle = Throttle(Pacer(), controller=controller, clock=lambda: 0.0, sleep=no_sleep)
+    seen: list[bool] = []
+
+    async def read() -> ServerLoad | None:
+        seen.append(controller.metrics)
+        if not loads:
+            raise Stop
+        return loads.pop(0)
+
+    with pytest.raises(Stop):
+        await throttle.watch_server(read)
+    # metrics on after the first load; off after three reads without; on again with the next
+    assert seen == [False, True, True, True, False, True]
 
 
 @pytest.mark.anyio
