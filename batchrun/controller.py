@@ -199,7 +199,7 @@ class ConcurrencyController:
                 self.metrics = False  # first tokens and throughput steer again
                 return self._record(now, Change(self.limit, "slots ignored", "server metrics"))
         self.metrics = True
-        waiting = load.waiting if load.waiting is not None else _beyond_slots(load, in_flight)
+        waiting = load.waiting_with(in_flight)
         allowance = max(1.0, 0.05 * load.running)
         if waiting > allowance:
             self._roomy_reads = 0
@@ -413,12 +413,3 @@ class ConcurrencyController:
         self._reported = change.limit
         self.history.append((now, change))
         return change
-
-
-def _beyond_slots(load: ServerLoad, in_flight: int) -> float:
-    """Requests waiting, for a server that says how many slots it has but not how many wait
-    (llama-server's /slots): none while a slot is free (it starts a request as soon as one
-    is), and once every slot is busy, ours in flight beyond them (other clients' are unseen)."""
-    if load.slots is None or load.running < load.slots:
-        return 0.0
-    return max(0.0, in_flight - load.running)

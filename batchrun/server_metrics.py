@@ -43,6 +43,17 @@ class ServerLoad:
     source: str = ""
     slots: int | None = None
 
+    def waiting_with(self, in_flight: int) -> float:
+        """Requests waiting, with `in_flight` of ours sent. Where the server says how many slots
+        it has but not how many wait (llama-server's /slots): none while a slot is free (it
+        starts a request as soon as one is), and once every slot is busy, ours in flight
+        beyond them (other clients' are unseen)."""
+        if self.waiting is not None:
+            return self.waiting
+        if self.slots is None or self.running < self.slots:
+            return 0.0
+        return max(0.0, in_flight - self.running)
+
 
 @dataclass(frozen=True, slots=True)
 class _Engine:

@@ -158,6 +158,15 @@ def test_json_that_is_not_a_slots_page_gives_none(text: str) -> None:
     assert parse_load(text) is None
 
 
+def test_a_slots_page_counts_ours_beyond_busy_slots_as_waiting() -> None:
+    half = ServerLoad(2.0, None, None, "llamacpp-slots", 4)
+    full = ServerLoad(4.0, None, None, "llamacpp-slots", 4)
+    assert half.waiting_with(9) == 0.0  # a free slot: nothing waits
+    assert full.waiting_with(9) == 5.0
+    assert full.waiting_with(3) == 0.0  # another client's requests fill it
+    assert ServerLoad(4.0, 2.0).waiting_with(9) == 2.0  # a server that counts them says
+
+
 def test_a_prometheus_page_still_reads_as_one() -> None:
     assert parse_load(LLAMACPP) == parse_metrics(LLAMACPP)
 
