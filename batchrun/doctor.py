@@ -2,8 +2,8 @@
 
 Each check sends at most one small request (max_tokens 16) and says what works: reachable, key
 accepted, model listed, chat and completions answered, streaming with time to first token,
-usage reported (streamed and not), and whether JSON Schema constrained decoding is accepted and
-enforced in the preset's style.
+usage reported (streamed and not), whether JSON Schema constrained decoding is accepted and
+enforced in the preset's style, and where `--concurrency auto` reads the server's own load.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from batchrun.backends import Backend, Completion, CompletionRequest, Transport
-from batchrun.backends.build import build_backend
+from batchrun.backends.build import build_backend, metrics_reader
 from batchrun.config import RunSpec, preset_for
 from batchrun.errors import (
     AuthFailed,
@@ -71,9 +71,31 @@ async def diagnose(spec: RunSpec, transport: Transport | None = None) -> list[Ch
         await _chat(backend, spec, defaults, transport, checks)
         await _completions(spec, defaults, transport, checks)
         await _guided(backend, spec, defaults, checks)
+        await _server_load(spec, transport, checks)
     finally:
         await backend.aclose()
     return checks
+
+
+async def _server_load(spec: RunSpec, transport: Transport | None, checks: list[Check]) -> None:
+    """Whether `auto` will have the server's own counts (not needed: it reads first tokens and
+    throughput without them, so a server without is not a failure)."""
+    reader = metrics_reader(spec, transport)
+    if reader is None:
+        return  # a fixed --concurrency, or --server-metrics off
+    try:
+        load = await reader.read()
+    finally:
+        await reader.aclose()
+    if load is None:
+        detail = f"none published ({reader.last_error}): auto reads first tokens and throughput"
+        checks.append(Check("server load", None, detail))
+    elif load.slots is not None:
+        detail = f"{load.source}: {load.running:g} of {load.slots} slots busy"
+        checks.append(Check("server load", True, detail))
+    else:
+        detail = f"{load.source}: {load.running:g} running, {load.waiting_with(0):g} waiting"
+        checks.append(Check("server load", True, detail))
 
 
 async def _models(backend: Backend, spec: RunSpec, checks: list[Check]) -> list[str] | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -123,8 +124,11 @@ def test_auto_reads_the_slots_page_of_a_server_started_without_metrics(
         inp = tmp_path / "slots.jsonl"
         write_prompts(inp, ITEMS)
         rows = _submit(cli, server, inp, "--stream")
+        _status, report, probes = _doctor(cli, server)
     finally:
         server.kill()
+    assert probes["server load"][0] == "ok", report
+    assert re.fullmatch(rf"llamacpp-slots: \d of {SLOTS} slots busy", probes["server load"][1])
     _check_complete(rows, cli, "slots")
     found, changes = _server_metrics(cli, "slots")
     assert [(e["available"], e["source"]) for e in found] == [(True, "llamacpp-slots")]
@@ -197,6 +201,8 @@ def test_doctor_finds_the_endpoint_ready_with_usage_streamed_and_not(
         assert probes.get(probe, ("missing", ""))[0] == "ok", report
     assert probes["model"][1].endswith("stories260K.gguf")
     assert probes["usage (streamed)"][1].endswith(" completion")  # "N prompt + M completion"
+    assert probes["server load"][0] == "ok", report
+    assert re.fullmatch(r"llamacpp: \d running, \d waiting", probes["server load"][1])
 
 
 def test_doctor_finds_guided_json_enforced(

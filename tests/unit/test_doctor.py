@@ -31,8 +31,23 @@ async def test_a_full_featured_server_passes_every_check() -> None:
         "usage (streamed)",
         "completions",
         "JSON schema",
+        "server load",
     ]
     assert checks["JSON schema"][1] == "accepted and enforced (json_schema)"
+    assert checks["server load"][1] == "vllm: 0 running, 0 waiting"
+
+
+@pytest.mark.anyio
+async def test_a_server_without_load_pages_is_said_but_not_failed() -> None:
+    found = await diagnose(
+        resolve({"base_url": "http://sim.test/v1"}),
+        SimTransport(SimModel(SimConfig(metrics=False))),
+    )
+    load = next(c for c in found if c.name == "server load")
+    assert load.ok is None and load.detail.startswith("none published (HTTP 404; HTTP 404)")
+    assert ready(found)
+    fixed = await _checks(SimConfig(), concurrency=8)  # a fixed level reads no load
+    assert "server load" not in fixed
 
 
 @pytest.mark.anyio
