@@ -102,6 +102,7 @@ class ConcurrencyController:
         self._evaluations = 0  # steady evaluations since the last probe
         self._probe_from = self.limit
         self._probe_step = 1.25
+        self._kept = False  # the last probe was kept (by throughput) and nothing judged since
         self._past_ceiling_wait = PAST_CEILING_S  # seconds before a look past the ceiling
         self._ceiling_since = 0.0
         self._fail_level: int | None = None  # the lowest level where failures concentrated
@@ -274,24 +275,34 @@ class ConcurrencyController:
         """A steady period's worth of answers at this limit: judge a probe, move, or probe."""
         if self.phase == "probe":
             return self._judge_probe(now, self._period.rate())
-        current = self.curve.rate(Curve.bucket(self.limit))
-        best = max(self.curve.known(), key=lambda kr: kr[1], default=None)
-        if current is not None and best is not None and best[1] > GAIN * current:
-            target = math.ceil(self.curve.level(best[0]))
-            if target != self.limit and target <= self._cap():
-                return self._set(now, target, "move", "throughput")
-        knee = self.curve.knee()
-        if knee is not None and knee < KNEE_BELOW * self.limit and self._queue.queued():
-            # Requests queue here and a lower level gives as much: no need to queue them.
-            return self._set(now, math.ceil(knee), "move", "throughput")
+        # Right after a probe was kept, its judged period outranks curve levels filled while
+        # the limit was opening towards it: look higher first, lower only later.
+        kept, self._kept = self._kept, False
+        target = self._better_level()
+        if target is not None and not (kept and target < self.limit):
+            return self._set(now, target, "move", "throughput")
         self._evaluations += 1
         if self._evaluations >= PROBE_EVERY:
             return self._probe(now)
         return None
 
+    def _better_level(self) -> int | None:
+        """A level the curve says gives clearly more than this one, or, while requests queue
+        here, a lower one that gives as much (no need to queue them)."""
+        current = self.curve.rate(Curve.bucket(self.limit))
+        best = max(self.curve.known(), key=lambda kr: kr[1], default=None)
+        if current is not None and best is not None and best[1] > GAIN * current:
+            target = math.ceil(self.curve.level(best[0]))
+            if target != self.limit and target <= self._cap():
+                return target
+        knee = self.curve.knee()
+        if knee is not None and knee < KNEE_BELOW * self.limit and self._queue.queued():
+            return math.ceil(knee)
+        return None
+
     def _probe(self, now: float) -> Change | None:
         step = self._probe_step
-        if step > 1.25 and self._flat_below():
+        if step > 1.25 and self.curve.flat_below(self.limit, GAIN):
             step = 1.25  # bold only while the curve still climbs: past a knee it costs a queue
         target = min(self.maximum, max(self.limit + 1, math.ceil(self.limit * step)))
         if self.ceiling is not None and target > self.ceiling:
@@ -305,14 +316,6 @@ class ConcurrencyController:
         self._probe_from = self.limit
         self.phase = "probe"
         return self._set(now, target, "probe", "throughput")
-
-    def _flat_below(self) -> bool:
-        """Whether the curve shows that half this level gave as much (within GAIN): then the
-        server's batch is full here, and a probe twice as high would only queue."""
-        known = dict(self.curve.known())
-        top = Curve.bucket(self.limit)
-        here, half = known.get(top), known.get(top - 2)
-        return here is not None and half is not None and here < GAIN * half
 
     def _past_ceiling(self, now: float) -> int | None:
         """Where to look past the ceiling: halfway to where failures began (a binary search
@@ -340,6 +343,7 @@ class ConcurrencyController:
         if rate is not None and (before is None or self._beats(rate, before)):
             self._evaluations = PROBE_EVERY - 1  # kept: look higher soon, and bolder
             self._probe_step = min(MAX_PROBE_STEP, self._probe_step * 2)
+            self._kept = True
             return self._record(now, Change(self.limit, "probe kept", "throughput"))
         self._probe_step = 1.25
         return self._set(now, self._probe_from, "probe reverted", "throughput")

@@ -85,6 +85,13 @@ class Curve:
         rates = ((key, self.rate(key)) for key in sorted(self._buckets))
         return [(key, rate) for key, rate in rates if rate is not None]
 
+    def flat_below(self, level: float, gain: float) -> bool:
+        """Whether half `level` gave as much as `level` (within `gain`): then the server's
+        batch is full there, and twice as high would only queue."""
+        known = dict(self.known())
+        here, half = known.get(self.bucket(level)), known.get(self.bucket(level) - 2)
+        return here is not None and half is not None and here < gain * half
+
     def knee(self) -> float | None:
         """The lowest level within a few percent of the best measured throughput (too much
         concurrency costs only latency, too little costs throughput: err high)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from batchrun.controller import ConcurrencyController
+from batchrun.controller import Change, ConcurrencyController
 from batchrun.evidence import Curve, Observation
 from batchrun.server_metrics import ServerLoad
 
@@ -272,6 +272,44 @@ def test_server_metrics_end_the_ramp_at_the_queue() -> None:
     change = ctl.server_load(1.0, ServerLoad(running=8, waiting=22), in_flight=30)
     assert change is not None and change.limit == 9 and ctl.phase == "steady"
     assert ctl.metrics  # from now on time to first token is no longer the queue signal
+
+
+def answer(
+    ctl: ConcurrencyController, now: float, level: int, rate: float, at: int
+) -> Change | None:
+    """An answer of 40 tokens sent and ended with `level` in flight under limit `at`, its
+    latency such that Little's law reads `rate` tokens/s at that level."""
+    latency = level * 40 / rate
+    seen = Observation(
+        sent_in_flight=level, ended_in_flight=level, sent_at_limit=at, tokens=40, latency=latency
+    )
+    return ctl.finished(now, seen)
+
+
+def test_a_kept_probe_is_not_undone_by_levels_passed_on_the_way_up() -> None:
+    """A probe from 24 to 30 bought 20%, judged on answers sent at 30. Answers sent while the
+    limit was opening, at 26 in flight, read faster still (a transition, not a level): the next
+    evaluation looks higher rather than moving down to them."""
+    ctl = ConcurrencyController(initial=24)
+    ctl.phase = "steady"
+    now = 0.0
+    while ctl.phase != "probe":
+        now += 0.01
+        answer(ctl, now, 24, 1000.0, 24)
+    assert ctl.limit == 30
+    while ctl.phase == "probe":
+        now += 0.01
+        answer(ctl, now, 30, 1200.0 + (now * 100) % 7, 30)  # a little noise, as answers have
+    assert ctl.history[-1][1].reason == "probe kept"
+    for _ in range(64):  # the transition's answers: into the curve, not this limit's period
+        answer(ctl, now, 26, 1500.0, 24)
+    changes: list[str] = []
+    for _ in range(16):
+        now += 0.01
+        change = answer(ctl, now, 30, 1200.0, 30)
+        if change is not None:
+            changes.append(change.reason)
+    assert changes and changes[0] == "probe" and ctl.limit > 30, changes
 
 
 def test_slots_without_a_waiting_count_end_the_ramp_just_above_them() -> None:
