@@ -363,7 +363,10 @@ def _validate(spec: RunSpec, preset: Preset | None) -> None:
     if spec.max_concurrency < 1:
         raise OptionError("{max_concurrency} must be at least 1")
     metrics = spec.server_metrics
-    if metrics not in ("auto", "off") and not metrics.startswith(("http://", "https://")):
+    plain = metrics.isprintable() and not any(ch.isspace() for ch in metrics)
+    if metrics not in ("auto", "off") and not (
+        metrics.startswith(("http://", "https://")) and plain
+    ):
         got = OptionError.quoted(metrics)
         raise OptionError(f"{{server_metrics}} must be auto, off or an http(s) URL, got {got}")
     for name in ("rpm", "tpm"):

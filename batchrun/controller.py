@@ -45,13 +45,13 @@ from collections import deque
 from dataclasses import dataclass
 
 from batchrun.evidence import (
-    MIN_FAILURES,
     MIN_SAMPLES,
     Curve,
     Observation,
     Period,
     QueueSignal,
     failure_split,
+    refusal_wave,
 )
 from batchrun.server_metrics import ServerLoad
 
@@ -64,8 +64,6 @@ NOISE_MARGIN = 1.5  # ... and the gain is over 1.5 standard errors of the differ
 PROBE_EVERY = 4  # steady evaluations between probes
 MAX_PROBE_STEP = 4.0  # kept probes double the next one's step, up to this factor
 LOAD_FAILURES = ("refused", "cut", "timeout")  # kinds that more load brings on
-WAVE_S = 1.0  # refusals of most requests within a second, at any load: a spent budget
-WAVE_SHARE = 0.5
 RECENT_OUTCOMES = 256
 PAST_CEILING_S = 15.0  # a ceiling stands this long before a look past it (then twice as long)
 REPORT_STEP = 1.25  # a ramp is reported each time the limit grows by a quarter
@@ -111,6 +109,7 @@ class ConcurrencyController:
         self._roomy_reads = 0  # ... with no queue while our limit was binding
         self.metrics = False  # the server's own metrics are the queue signal
         self.slots_partial = False  # a slots page proved to describe part of the server
+        self._over_slots = 0  # consecutive reads with more of ours streaming than its slots
         self.accepted_most = 0  # the most requests in flight that the server has accepted
         self.frontier = True  # pace growth by acceptances (streamed answers only)
 
@@ -195,7 +194,9 @@ class ConcurrencyController:
         if load.waiting is None and load.slots is not None:
             if self.slots_partial:
                 return None
-            if streaming > load.slots + max(2, load.slots // 4):
+            over = streaming > load.slots + max(2, load.slots // 4)
+            self._over_slots = self._over_slots + 1 if over else 0
+            if self._over_slots >= 2:  # twice in a row: not a few answers read late
                 self.slots_partial = True
                 self.metrics = False  # first tokens and throughput steer again
                 return self._record(now, Change(self.limit, "slots ignored", "server metrics"))
@@ -231,6 +232,7 @@ class ConcurrencyController:
     def server_quiet(self) -> None:
         """The server's counts stopped coming: first tokens and throughput steer meanwhile."""
         self.metrics = False
+        self._waiting_reads = self._roomy_reads = self._over_slots = 0
 
     # --- deciding -----------------------------------------------------------------------------
 
@@ -355,8 +357,9 @@ class ConcurrencyController:
 
     def _failed(self, now: float, seen: Observation) -> Change | None:
         """Capacity evidence only when failures concentrate at high concurrency."""
-        if seen.failure == "refused":
-            self._refusal_wave(now, seen.retry_after)
+        if seen.failure == "refused" and refusal_wave(self._times, now):
+            # A spent budget: everyone waits, not each one alone.
+            self.pause_until = max(self.pause_until, now + (seen.retry_after or 1.0))
         load_bound = seen.failure in LOAD_FAILURES
         if load_bound and self.phase == "ramp":
             return self._ramp_failure(now, seen)
@@ -389,20 +392,12 @@ class ConcurrencyController:
         if self.phase == "probe" and self._probe_from >= self.ceiling:
             self._past_ceiling_wait *= 2  # it held: look past it less and less often
         self._ceiling_since = now
-        self.phase = "steady"
+        self.phase, self._kept = "steady", False
         self._evaluations = 0
         self._probe_step = 1.25
         limit = min(self.limit, self.ceiling)
         change = self._set(now, limit, "ceiling", f"failures ({seen.failure})")
         return change or self._record(now, Change(limit, "ceiling", f"failures ({seen.failure})"))
-
-    def _refusal_wave(self, now: float, retry_after: float | None) -> None:
-        """Most requests of the last second refused, whatever the load: a spent budget (a
-        hosted API's requests per minute, say). Then everyone waits, not each one alone."""
-        recent = [refused for at, refused in self._times if at >= now - WAVE_S]
-        refused = sum(recent)
-        if refused >= MIN_FAILURES and refused >= WAVE_SHARE * len(recent):
-            self.pause_until = max(self.pause_until, now + (retry_after or 1.0))
 
     def _set(self, now: float, limit: int, reason: str, signal: str) -> Change | None:
         limit = max(self.minimum, min(self.maximum, limit))
@@ -410,6 +405,7 @@ class ConcurrencyController:
             return None
         self.limit = limit
         self._since_change = 0
+        self._kept = False  # a kept probe's standing ends when the limit moves
         self._before, self._period = self._period, Period()
         return self._record(now, Change(limit, reason, signal))
 

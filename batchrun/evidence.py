@@ -169,3 +169,15 @@ def failure_split(recent: Iterable[tuple[int, bool]]) -> tuple[int, int] | None:
     if best is None:
         return None
     return best, min(level for level, failed in outcomes if failed and level > best)
+
+
+WAVE_S = 1.0  # refusals of most requests within a second, at any load: a spent budget
+WAVE_SHARE = 0.5
+
+
+def refusal_wave(times: Iterable[tuple[float, bool]], now: float) -> bool:
+    """Given (time, refused?) of recent requests: most of the last second's refused, whatever
+    the load (a hosted API's requests per minute spent, say)."""
+    recent = [refused for at, refused in times if at >= now - WAVE_S]
+    refused = sum(recent)
+    return refused >= MIN_FAILURES and refused >= WAVE_SHARE * len(recent)

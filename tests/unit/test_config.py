@@ -452,3 +452,12 @@ def test_structured_output_options_are_checked() -> None:
     ]:
         with pytest.raises(UsageError, match=message):
             resolve({"backend": "vllm", **bad})
+
+
+@pytest.mark.parametrize(
+    "url", ["ftp://host/metrics", "http://host/metrics\n", "http://host/ metrics", "http://h/\x07"]
+)
+def test_a_server_metrics_url_must_be_one_plain_http_url(url: str) -> None:
+    with pytest.raises(OptionError, match="server_metrics"):
+        resolve({"backend": "sim", "server_metrics": url})
+    assert resolve({"backend": "sim", "server_metrics": "http://host:8000/slots"})

@@ -329,7 +329,9 @@ def test_a_slots_page_of_one_server_behind_a_balancer_is_ignored() -> None:
     stream at once, more than 4 slots can hold: the page is not the whole server, so it must
     not cut the limit to 5; first tokens and throughput steer instead."""
     ctl = ConcurrencyController(initial=16)
+    ctl.phase = "steady"
     one = ServerLoad(running=4, waiting=None, slots=4)
+    assert ctl.server_load(0.5, one, in_flight=16, streaming=12) is None  # once: maybe late
     change = ctl.server_load(1.0, one, in_flight=16, streaming=12)
     assert change is not None and change.reason == "slots ignored" and change.limit == 16
     assert not ctl.metrics
@@ -339,10 +341,14 @@ def test_a_slots_page_of_one_server_behind_a_balancer_is_ignored() -> None:
 
 
 def test_answers_still_being_read_are_not_taken_for_a_balancer() -> None:
-    ctl = ConcurrencyController(initial=12)
+    ctl = ConcurrencyController(initial=16)
     busy = ServerLoad(running=8, waiting=None, slots=8)
-    change = ctl.server_load(1.0, busy, in_flight=12, streaming=10)  # two ending, client-side
+    change = ctl.server_load(1.0, busy, in_flight=16, streaming=10)  # two ending, client-side
     assert change is not None and change.reason == "queue" and change.limit == 9
+    ctl = ConcurrencyController(initial=16)  # a burst of late reads, once: not a balancer
+    assert ctl.server_load(1.0, busy, in_flight=16, streaming=13) is not None
+    assert ctl.server_load(1.5, busy, in_flight=9, streaming=8) is None
+    assert not ctl.slots_partial and ctl.limit == 9
 
 
 def test_free_slots_are_room_to_grow() -> None:

@@ -13,7 +13,7 @@ import pytest
 from batchrun import jobs
 from batchrun.backends.build import metrics_reader
 from batchrun.config import resolve
-from batchrun.controller import ConcurrencyController
+from batchrun.controller import Change, ConcurrencyController
 from batchrun.errors import (
     AuthFailed,
     ConnectionFailed,
@@ -55,6 +55,45 @@ async def test_a_slot_counts_a_request_on_the_wire_and_frees_itself() -> None:
         async with throttle.slot(10):
             raise RuntimeError("a failed request still gives its slot back")
     assert throttle.in_flight == 0
+
+
+@pytest.mark.anyio
+async def test_streaming_counts_answers_begun_and_not_yet_ended() -> None:
+    controller = ConcurrencyController(initial=4)
+    throttle = Throttle(Pacer(), controller=controller, clock=lambda: 0.0, sleep=no_sleep)
+    async with throttle.slot(10) as slot:
+        assert throttle.streaming == 0  # sent, nothing back yet
+        slot.first_token(0.01)
+        slot.first_token(0.02)  # said twice: counted once
+        assert throttle.streaming == 1
+    assert throttle.streaming == 0
+    with pytest.raises(RuntimeError):
+        async with throttle.slot(10) as slot:
+            slot.first_token(0.01)
+            raise RuntimeError("cut mid-answer")
+    assert throttle.streaming == 0 and throttle.in_flight == 0
+    told: list[int] = []
+
+    class Recording(ConcurrencyController):
+        def server_load(
+            self, now: float, load: ServerLoad, *, in_flight: int, streaming: int = 0
+        ) -> Change | None:
+            told.append(streaming)
+            return super().server_load(now, load, in_flight=in_flight, streaming=streaming)
+
+    watched = Throttle(Pacer(), controller=Recording(), clock=lambda: 0.0, sleep=no_sleep)
+    loads = [ServerLoad(4, None, None, "llamacpp-slots", 4)]
+
+    async def read() -> ServerLoad | None:
+        if not loads:
+            raise Stop
+        return loads.pop()
+
+    async with watched.slot(10) as slot:
+        slot.first_token(0.01)
+        with pytest.raises(Stop):
+            await watched.watch_server(read)
+    assert told == [1]  # what the balancer rule weighs
 
 
 @pytest.mark.anyio
