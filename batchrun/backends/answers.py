@@ -38,6 +38,23 @@ class StreamedAnswer:
         if self.done or not events:
             return  # after [DONE] nothing counts
         pieces = len(self.pieces)
+        datas = [data for kind, data in events if kind == "message"]
+        done = len(datas) == len(events) and datas[-1] == b"[DONE]"
+        if done:
+            datas.pop()
+        chunks = _parse_all(datas) if len(datas) + done == len(events) else None
+        if chunks is None:  # not chunks alone, perhaps ended by [DONE]: one by one
+            chunks = [_parse_one(data) for data in self._until_done(events)]
+        else:
+            self.events += len(events)
+            self.done = done
+        for chunk in chunks:
+            self._chunk(chunk)
+        if len(self.pieces) > pieces:
+            self._arrived(time.perf_counter() - self.started, len(self.pieces) - pieces)
+
+    def _until_done(self, events: list[Event]) -> list[bytes]:
+        """The events' data up to `[DONE]` (what follows it does not count)."""
         datas: list[bytes] = []
         for kind, data in events:
             self.events += 1
@@ -47,10 +64,7 @@ class StreamedAnswer:
             if kind == "error":
                 raise Overloaded(f"server error mid-stream: {server_message(data)[:300]}")
             datas.append(data)
-        for chunk in _parse_all(datas):
-            self._chunk(chunk)
-        if len(self.pieces) > pieces:
-            self._arrived(time.perf_counter() - self.started, len(self.pieces) - pieces)
+        return datas
 
     def _chunk(self, chunk: Any) -> None:
         if not isinstance(chunk, dict):
@@ -96,24 +110,21 @@ class StreamedAnswer:
         return completion(text, self.finish, self.usage, self.started, ttft, tuple(self.times))
 
 
-def _parse_all(datas: list[bytes]) -> list[Any]:
-    """The events' JSON, parsed in one call as an array (the parser's cost is per call, not
-    per byte); one by one only to name the event that does not parse."""
-    if not datas:
-        return []
+def _parse_all(datas: list[bytes]) -> list[Any] | None:
+    """The events' JSON objects, parsed in one call as an array (the parser's cost is per
+    call, not per byte); None where that does not give one object per event."""
     try:
-        parsed = orjson.loads(b"[" + b",".join(datas) + b"]")
+        if len(datas) == 1:  # a read of one event: a server sending token by token
+            parsed = [orjson.loads(datas[0])]
+        else:
+            parsed = orjson.loads(b"[" + b",".join(datas) + b"]")
     except orjson.JSONDecodeError:
-        parsed = None
-    # Every event an object, one per event: else payloads that do not parse alone may have
-    # joined into ones that do (`"a` and `b"`), so parse them one by one.
-    if (
-        isinstance(parsed, list)
-        and len(parsed) == len(datas)
-        and all(isinstance(chunk, dict) for chunk in parsed)
-    ):
+        return None
+    # One object per event: else payloads that do not parse alone may have joined into ones
+    # that do (`"a` and `b"`).
+    if len(parsed) == len(datas) and all(isinstance(chunk, dict) for chunk in parsed):
         return parsed
-    return [_parse_one(data) for data in datas]
+    return None
 
 
 def _parse_one(data: bytes) -> Any:

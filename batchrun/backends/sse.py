@@ -20,6 +20,8 @@ from __future__ import annotations
 # parser makes one per streamed token.
 Event = tuple[str, bytes]
 
+SEPARATOR = b"\n\ndata: "  # the end of an event and the start of the next one's data line
+
 
 class SSEDecoder:
     """Feed bytes as they come; get back the events they completed."""
@@ -41,10 +43,18 @@ class SSEDecoder:
                 self._buffer = buffer
                 return []
             buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        blocks = buffer.split(b"\n\n")
-        self._buffer = blocks.pop()
+        whole, end, self._buffer = buffer.rpartition(b"\n\n")
+        if not end:
+            return []
+        if whole[:6] == b"data: ":
+            if b"\n" not in whole:  # one event of one data line: a server sending by token
+                return [("message", whole[6:])]
+            if whole.count(b"\n") == 2 * whole.count(SEPARATOR):
+                # Every line break is in a blank line followed by `data: `: every event is
+                # one data line, split in one call.
+                return [("message", data) for data in whole[6:].split(SEPARATOR)]
         events: list[Event] = []
-        for block in blocks:
+        for block in whole.split(b"\n\n"):
             if block[:6] == b"data: " and b"\n" not in block:
                 events.append(("message", block[6:]))  # the common case: one data line
             elif (event := _event(block)) is not None:
