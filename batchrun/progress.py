@@ -21,18 +21,18 @@ from batchrun.errors import OutputError
 SUMMARY_CHARS = 80
 
 
-_stamp: tuple[int, str] = (-1, "")  # the last millisecond formatted, and how
+_second: tuple[int, str] = (-1, "")  # the last second formatted, and how
 
 
 def _now_iso() -> str:
-    """The time, to the millisecond; formatted once per millisecond (a log line per request
-    would otherwise format the same instant again and again)."""
-    global _stamp
+    """The time, to the millisecond, in UTC; the date and time formatted once a second (a
+    log line per request would otherwise format the same second again and again)."""
+    global _second
     ms = time.time_ns() // 1_000_000
-    if ms != _stamp[0]:
-        moment = datetime.fromtimestamp(ms / 1000, UTC)
-        _stamp = (ms, moment.isoformat(timespec="milliseconds"))
-    return _stamp[1]
+    second, part = divmod(ms, 1000)
+    if second != _second[0]:
+        _second = (second, datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S"))
+    return f"{_second[1]}.{part:03d}+00:00"
 
 
 def input_summary(body: dict[str, Any]) -> str:

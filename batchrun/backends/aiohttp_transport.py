@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ssl
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
@@ -66,6 +67,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         self._max_connections = max_connections
         self._keepalive = keepalive
         self._session: aiohttp.ClientSession | None = None
+        self._tls: ssl.SSLContext | None = None
 
     def _open(self) -> aiohttp.ClientSession:
         """Made on first use: a session belongs to the event loop it was made in."""
@@ -74,9 +76,6 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 limit=self._max_connections,
                 limit_per_host=0,
                 force_close=not self._keepalive,
-                # httpx's: certifi's roots, or SSL_CERT_FILE / SSL_CERT_DIR (aiohttp's own
-                # would trust only the system's, which some Pythons and containers lack)
-                ssl=httpx.create_ssl_context(),
             )
             self._session = aiohttp.ClientSession(
                 connector=connector,
@@ -98,6 +97,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 data=request.content or None,
                 allow_redirects=False,
                 timeout=timeout,
+                ssl=self._context() if request.url.scheme == "https" else True,
             )
         except Exception as exc:
             raise _mapped(exc, before_response=True) from exc
@@ -109,6 +109,14 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             stream=AiohttpBody(response),
             extensions={"http_version": b"HTTP/1.1"},
         )
+
+    def _context(self) -> ssl.SSLContext:
+        """httpx's TLS settings: certifi's roots, or SSL_CERT_FILE / SSL_CERT_DIR (aiohttp's
+        own would trust only the system's, which some Pythons and containers lack). Made on
+        the first https request: loading the roots takes tens of milliseconds."""
+        if self._tls is None:
+            self._tls = httpx.create_ssl_context()
+        return self._tls
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -71,6 +71,7 @@ class OpenAICompatBackend:
         self._urls = {
             kind: httpx.URL(self.base_url + path) for kind, path in ENDPOINT_PATHS.items()
         }
+        self._host = httpx.URL(self.base_url).netloc  # every request's: httpcore's pool needs it
         # Requests sent again because their pooled connection was found closed (see
         # _complete_once): not attempts, so nothing else counts them.
         self.stale_resends = 0
@@ -89,7 +90,7 @@ class OpenAICompatBackend:
             extensions["trace"] = trace
         # The body as a stream with its length given: httpx then skips guessing the body's
         # kind and merging default headers (a request costs 5 µs to build, not 18).
-        headers = [*self._raw_headers, (b"host", url.netloc)]  # httpcore's pool needs it
+        headers = [*self._raw_headers, (b"host", self._host)]
         if content is not None:
             headers.append((b"content-length", b"%d" % len(content)))
         stream = httpx.ByteStream(content or b"")
@@ -219,7 +220,6 @@ class OpenAICompatBackend:
         """Send once. With `watch_reuse`, a pooled connection found closed before a byte of
         answer came back raises _StaleConnection rather than ConnectionFailed."""
         trace = _ConnectionTrace() if watch_reuse else None
-        url = str(out.url)
         answered = receiving = False
         try:
             resp = await self._send(transport, "POST", out.url, out.content, trace)
@@ -227,7 +227,7 @@ class OpenAICompatBackend:
             try:
                 if resp.status_code >= 400:
                     content = await resp.aread()
-                    raise error_for_status(resp.status_code, resp.headers, content, url)
+                    raise error_for_status(resp.status_code, resp.headers, content, str(out.url))
                 receiving = True
                 if out.watch is not None:
                     out.watch.accepted()
@@ -242,10 +242,10 @@ class OpenAICompatBackend:
             if receiving:
                 raise StreamCut(f"connection dropped mid-answer: {self._describe(exc)}") from None
             if not answered and trace is not None and trace.reused and _unanswered(exc):
-                raise _StaleConnection(self._describe(exc, url)) from None
-            raise ConnectionFailed(self._describe(exc, url)) from None
+                raise _StaleConnection(self._describe(exc, str(out.url))) from None
+            raise ConnectionFailed(self._describe(exc, str(out.url))) from None
         except httpx.TransportError as exc:
-            raise ConnectionFailed(self._describe(exc, url)) from None
+            raise ConnectionFailed(self._describe(exc, str(out.url))) from None
 
     async def _read_answer(self, resp: httpx.Response, out: _Outgoing) -> Completion:
         if "text/event-stream" in resp.headers.get("content-type", ""):

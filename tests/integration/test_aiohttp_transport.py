@@ -4,13 +4,18 @@ after, and failures as the httpx exceptions the backend expects."""
 
 from __future__ import annotations
 
+import asyncio
+import re
+import ssl
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 import orjson
 import pytest
+import trustme
 
 from batchrun.backends.aiohttp_transport import AiohttpTransport
 from tests.integration.helpers import free_port
@@ -91,5 +96,53 @@ def test_a_refused_connection_is_connect_error() -> None:
         with pytest.raises(httpx.ConnectError):
             await transport.handle_async_request(request)
         await transport.aclose()
+
+    anyio.run(main)
+
+
+async def _https_server(ca: Any, answer: bytes) -> tuple[asyncio.Server, int]:
+    """One HTTPS listener on 127.0.0.1 whose certificate `ca` signed; every request gets
+    `answer`."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = re.search(rb"(?i)content-length: *(\d+)", head)
+        await reader.readexactly(int(length.group(1)) if length else 0)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(answer), answer))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=context)
+    return server, server.sockets[0].getsockname()[1]
+
+
+def test_https_trusts_httpx_roots_and_plain_http_never_loads_them(
+    sim_server: Callable[..., str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    plain = sim_server()
+
+    async def main() -> None:
+        server, port = await _https_server(ca, b"{}")
+        url = f"https://127.0.0.1:{port}/v1"
+        async with server:
+            transport = AiohttpTransport(2)
+            response = await transport.handle_async_request(_request(plain, 1))
+            await response.aread()
+            await response.aclose()
+            assert transport._tls is None  # an http:// endpoint loads no roots
+            with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                await transport.handle_async_request(_request(url, 2))  # certifi's roots
+            await transport.aclose()
+            # SSL_CERT_FILE names the roots to trust, as it does for httpx
+            monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
+            transport = AiohttpTransport(2)
+            response = await transport.handle_async_request(_request(url, 3))
+            assert response.status_code == 200 and await response.aread() == b"{}"
+            await response.aclose()
+            await transport.aclose()
 
     anyio.run(main)
