@@ -9,11 +9,15 @@ process; batchrun and the cookbook's script run as child processes, read from th
 interpreter start and file loading included). Server CPU per request is printed beside it: a
 server near one core per wall second means the server, not the client, set the pace.
 
-Contenders: bare httpx and bare aiohttp loops (no ledger, retries or logging: the floor), and
-`batchrun submit --concurrency C` streamed and not. With `--cookbook PATH` (a copy of the OpenAI
-cookbook's api_request_parallel_processor.py; this repository holds none of its code), that
-script too, not streamed, with budgets too large to bind and C requests in flight
-(benchmarks/cookbook_runner.py says how).
+Contenders: bare httpx and bare aiohttp loops (no ledger, retries or logging: the floor;
+streamed, they read lines and parse each event, as their documentation shows), raw aiohttp
+loops that read the bytes and nothing else (what the engine itself costs, streamed and not:
+with both and batchrun's two, the run says how close to not streamed a streamed batchrun
+could come on this engine), and `batchrun submit --concurrency C` streamed and not. With
+`--cookbook PATH` (a copy of the OpenAI cookbook's api_request_parallel_processor.py; this
+repository holds none of its code), that script too, not streamed, with budgets too large to
+bind and C requests in flight (benchmarks/cookbook_runner.py says how). Child processes load
+modules from bytecode, as an installed package does.
 
     python benchmarks/client_cost.py [--requests 5000] [--concurrency 32] [--tokens 30]
         [--repeat 3] [--only batchrun,bare-aiohttp,...] [--cookbook PATH]
@@ -152,6 +156,25 @@ async def bare_aiohttp(url: str, items: list[bytes], concurrency: int, stream: b
         await run_workers(concurrency, items, send)
 
 
+async def raw_aiohttp(url: str, items: list[bytes], concurrency: int, stream: bool) -> None:
+    """aiohttp reading the bytes as they come and nothing else: the engine's own cost, under
+    any client's parsing (a stream's bytes are one HTTP chunk per event)."""
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    headers = {"content-type": "application/json"}
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def send(body: bytes) -> None:
+            async with session.post(url, data=body, headers=headers) as resp:
+                resp.raise_for_status()
+                if stream:
+                    async for _data in resp.content.iter_any():
+                        pass
+                else:
+                    await resp.read()
+
+        await run_workers(concurrency, items, send)
+
+
 def in_process(
     loop: Callable[..., Awaitable[None]],
     url: str,
@@ -165,9 +188,15 @@ def in_process(
     return Measured(wall, time.process_time() - cpu, wall)
 
 
-def child(command: list[str], env: dict[str, str] | None = None) -> Measured:
+# Child processes load modules from bytecode, as an installed package does (pip compiles it
+# at install; a machine that sets PYTHONDONTWRITEBYTECODE would otherwise compile batchrun's
+# modules at every start, a quarter second here that no user pays).
+CHILD_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
+def child(command: list[str]) -> Measured:
     cpu, started = children_cpu(), time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    done = subprocess.run(command, capture_output=True, text=True, env=CHILD_ENV)
     wall = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"{command[:4]} failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -235,6 +264,11 @@ def contenders(args: argparse.Namespace) -> dict[str, tuple[bool, Callable[..., 
             True,
             lambda url, _w: in_process(bare_aiohttp, url, streamed, c, True),
         ),
+        "raw-aiohttp": (False, lambda url, _w: in_process(raw_aiohttp, url, plain, c, False)),
+        "raw-aiohttp-stream": (
+            True,
+            lambda url, _w: in_process(raw_aiohttp, url, streamed, c, True),
+        ),
         "bare-httpx": (False, lambda url, _w: in_process(bare_httpx, url, plain, c, False)),
         "bare-httpx-stream": (True, lambda url, _w: in_process(bare_httpx, url, streamed, c, True)),
         "batchrun": (False, lambda url, w: batchrun(url, w, args, False)),
@@ -273,6 +307,7 @@ def main() -> None:
             ]
             (work / "requests.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
             in_process(bare_aiohttp, url, bodies(200, True), args.concurrency, True)  # warm-up
+            child([sys.executable, "-m", "batchrun", "--version"])  # its bytecode written
             for _ in range(args.repeat):
                 for name, (_stream, run) in table.items():
                     server_cpu = process_cpu(server.pid)
@@ -328,6 +363,15 @@ def goals(med: dict[str, tuple[float, float, float, float]], n: int, tokens: int
     if plain and streamed:
         ratio = plain[0] / streamed[0]
         print(f"batchrun streamed / not streamed, whole command: {ratio:.2f} (goal >= 0.9)")
+        raw, raw_stream = med.get("raw-aiohttp"), med.get("raw-aiohttp-stream")
+        if raw and raw_stream:
+            # what streaming costs the engine alone, added to batchrun's unstreamed command
+            extra = raw_stream[0] - raw[0]
+            ceiling = plain[0] / (plain[0] + extra)
+            print(
+                f"  the engine alone adds {extra / n * 1e6:.0f} us a streamed request (bytes "
+                f"read, nothing parsed): {ceiling:.2f} at best with it"
+            )
     if streamed:
         print(f"batchrun streamed chunks/s (run): {n * tokens / streamed[2]:.0f} (goal >= 20,000)")
     if plain:
