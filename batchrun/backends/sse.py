@@ -49,10 +49,11 @@ class SSEDecoder:
         if whole[:6] == b"data: ":
             if b"\n" not in whole:  # one event of one data line: a server sending by token
                 return [("message", whole[6:])]
-            if whole.count(b"\n") == 2 * whole.count(SEPARATOR):
+            datas = whole[6:].split(SEPARATOR)
+            if whole.count(b"\n") == 2 * (len(datas) - 1):
                 # Every line break is in a blank line followed by `data: `: every event is
                 # one data line, split in one call.
-                return [("message", data) for data in whole[6:].split(SEPARATOR)]
+                return [("message", data) for data in datas]
         events: list[Event] = []
         for block in whole.split(b"\n\n"):
             if block[:6] == b"data: " and b"\n" not in block:
