@@ -1,0 +1,99 @@
+"""Two checkouts of batchrun, alternated, against the zero-latency server: is a change faster?
+
+This machine's speed drifts by a quarter between runs minutes apart, so a change is measured
+against the code before it in the same run: the two trees take turns (ABBA order, so neither
+always runs first), and each round's ratio is taken between runs a few seconds apart. It
+prints the medians of each tree, and the median of the paired ratios (new / old: below 1 is
+faster). A checkout of the old code: `git worktree add /tmp/old REV`.
+
+    python benchmarks/ab_trees.py OLD_TREE NEW_TREE [--rounds 8] [--requests 4000]
+        [--modes no-stream,stream]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from client_cost import CHILD_ENV, start_server
+
+
+def one_job(tree: Path, url: str, work: Path, mode: str) -> tuple[float, float, float]:
+    """(wall, CPU, sending) seconds of one `batchrun submit` run from `tree`'s sources."""
+    job = f"ab{time.monotonic_ns()}"
+    command = [sys.executable, "-m", "batchrun", "--home", str(work / "home"), "submit"]
+    command += [str(work / "requests.jsonl"), "--job", job, "--base-url", url]
+    command += ["--model", "fast-1", "--concurrency", "32", "--quiet", "--no-reuse", f"--{mode}"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    subprocess.run(command, cwd=tree, env=CHILD_ENV, check=True, capture_output=True)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    log = (work / "home" / "logs" / f"{job}.log").read_text().splitlines()
+    stopped = next(e for e in map(json.loads, log) if e["event"] == "run_stopped")
+    return wall, cpu, stopped["elapsed_s"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("old", type=Path)
+    parser.add_argument("new", type=Path)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=4000)
+    parser.add_argument("--modes", default="no-stream,stream")
+    args = parser.parse_args()
+    trees, modes = [args.old.resolve(), args.new.resolve()], args.modes.split(",")
+    server, url = start_server(30)
+    runs: dict[tuple[int, str], list[tuple[float, float, float]]] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            lines = (
+                json.dumps({"messages": [{"role": "user", "content": f"Rewrite item {i}."}]})
+                for i in range(args.requests)
+            )
+            (work / "requests.jsonl").write_text("".join(line + "\n" for line in lines))
+            for tree in trees:  # bytecode written, as an installed package has it
+                subprocess.run(
+                    [sys.executable, "-m", "batchrun", "--version"],
+                    cwd=tree,
+                    env=CHILD_ENV,
+                    check=True,
+                    capture_output=True,
+                )
+            for r in range(args.rounds):
+                for mode in modes:
+                    for i in (0, 1) if r % 2 == 0 else (1, 0):
+                        runs.setdefault((i, mode), []).append(one_job(trees[i], url, work, mode))
+    finally:
+        server.terminate()
+        server.wait()
+    report(runs, modes, args)
+
+
+def report(runs: dict, modes: list[str], args: argparse.Namespace) -> None:
+    print(f"{args.requests} chat requests of 30 tokens, 32 in flight; {args.rounds} rounds")
+    print(f"{'mode':10} {'tree':4} {'wall':>6} {'CPU':>6} {'sending':>8} {'run req/s':>9}")
+    for mode in modes:
+        for i, name in enumerate(("old", "new")):
+            wall, cpu, run = (statistics.median(x[k] for x in runs[(i, mode)]) for k in range(3))
+            rate = args.requests / run
+            print(f"{mode:10} {name:4} {wall:5.2f}s {cpu:5.2f}s {run:7.2f}s {rate:9.0f}")
+        pairs = list(zip(runs[(0, mode)], runs[(1, mode)], strict=True))
+        ratio = [statistics.median(new[k] / old[k] for old, new in pairs) for k in range(3)]
+        print(
+            f"{mode:10} new / old, paired: wall {ratio[0]:.3f}  CPU {ratio[1]:.3f}  "
+            f"sending {ratio[2]:.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
