@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from client_cost import CHILD_ENV, start_server
+from client_cost import CHILD_ENV, start_server, write_requests
 
 
 def one_job(tree: Path, url: str, work: Path, mode: str) -> tuple[float, float, float]:
@@ -56,11 +56,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
-            lines = (
-                json.dumps({"messages": [{"role": "user", "content": f"Rewrite item {i}."}]})
-                for i in range(args.requests)
-            )
-            (work / "requests.jsonl").write_text("".join(line + "\n" for line in lines))
+            write_requests(work, args.requests)
             for tree in trees:  # bytecode written, as an installed package has it
                 subprocess.run(
                     [sys.executable, "-m", "batchrun", "--version"],

@@ -26,6 +26,7 @@ modules from bytecode, as an installed package does.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -138,7 +139,13 @@ async def bare_httpx(url: str, items: list[bytes], concurrency: int, stream: boo
         await run_workers(concurrency, items, send)
 
 
-async def bare_aiohttp(url: str, items: list[bytes], concurrency: int, stream: bool) -> None:
+async def bare_aiohttp(
+    url: str, items: list[bytes], concurrency: int, stream: bool, *, parse: bool = True
+) -> None:
+    """aiohttp as a minimal client uses it: streams read line by line, each event parsed.
+    Without `parse` (the raw loops): the bytes read as they come and nothing else, the
+    engine's own cost under any client's parsing (a stream's bytes are an HTTP chunk an event).
+    """
     connector = aiohttp.TCPConnector(limit=concurrency)
     headers = {"content-type": "application/json"}
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -146,7 +153,10 @@ async def bare_aiohttp(url: str, items: list[bytes], concurrency: int, stream: b
         async def send(body: bytes) -> None:
             async with session.post(url, data=body, headers=headers) as resp:
                 resp.raise_for_status()
-                if stream:
+                if not parse:
+                    async for _data in resp.content.iter_any():
+                        pass
+                elif stream:
                     async for line in resp.content:
                         if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
                             orjson.loads(line[5:])
@@ -156,23 +166,22 @@ async def bare_aiohttp(url: str, items: list[bytes], concurrency: int, stream: b
         await run_workers(concurrency, items, send)
 
 
-async def raw_aiohttp(url: str, items: list[bytes], concurrency: int, stream: bool) -> None:
-    """aiohttp reading the bytes as they come and nothing else: the engine's own cost, under
-    any client's parsing (a stream's bytes are one HTTP chunk per event)."""
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    headers = {"content-type": "application/json"}
-    async with aiohttp.ClientSession(connector=connector) as session:
+raw_aiohttp = functools.partial(bare_aiohttp, parse=False)
 
-        async def send(body: bytes) -> None:
-            async with session.post(url, data=body, headers=headers) as resp:
-                resp.raise_for_status()
-                if stream:
-                    async for _data in resp.content.iter_any():
-                        pass
-                else:
-                    await resp.read()
 
-        await run_workers(concurrency, items, send)
+def write_requests(work: Path, n: int) -> Path:
+    """`n` chat requests (`Rewrite item i.`) as a JSONL file in `work`."""
+    path = work / "requests.jsonl"
+    lines = (
+        {
+            "model": MODEL,
+            "max_tokens": 64,
+            "messages": [{"role": "user", "content": f"Rewrite item {i}."}],
+        }
+        for i in range(n)
+    )
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
 
 
 def in_process(
@@ -297,15 +306,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
-            lines = [
-                {
-                    "model": MODEL,
-                    "max_tokens": 64,
-                    "messages": [{"role": "user", "content": f"Rewrite item {i}."}],
-                }
-                for i in range(args.requests)
-            ]
-            (work / "requests.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+            write_requests(work, args.requests)
             in_process(bare_aiohttp, url, bodies(200, True), args.concurrency, True)  # warm-up
             child([sys.executable, "-m", "batchrun", "--version"])  # its bytecode written
             for _ in range(args.repeat):

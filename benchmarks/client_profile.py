@@ -21,7 +21,6 @@ these that its stack shows, innermost first:
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import subprocess
@@ -30,7 +29,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from client_cost import CHILD_ENV, start_server, write_requests
 
 CATEGORIES = [  # (name, pattern on a frame's file), first match from the innermost frame
     ("startup", r"<frozen importlib|_find_and_load"),
@@ -81,7 +80,7 @@ def profile(url: str, work: Path, args: argparse.Namespace, stream: bool) -> Cou
         "--quiet",
         *([] if stream else ["--no-stream"]),
     ]
-    subprocess.run(command, check=True, capture_output=True)
+    subprocess.run(command, check=True, capture_output=True, env=CHILD_ENV)
     counts: Counter[str] = Counter()
     for line in raw.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
@@ -98,19 +97,11 @@ def main() -> None:
     args = parser.parse_args()
     if shutil.which("py-spy") is None:
         raise SystemExit("needs py-spy on PATH: pip install py-spy")
-    server = subprocess.Popen(
-        [sys.executable, str(HERE / "fast_server.py")], stdout=subprocess.PIPE, text=True
-    )
-    assert server.stdout is not None
-    url = server.stdout.readline().split()[-1]
+    server, url = start_server(30)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
-            lines = (
-                json.dumps({"messages": [{"role": "user", "content": f"Rewrite item {i}."}]})
-                for i in range(args.requests)
-            )
-            (work / "requests.jsonl").write_text("".join(line + "\n" for line in lines))
+            write_requests(work, args.requests)
             results = {stream: profile(url, work, args, stream) for stream in (False, True)}
     finally:
         server.terminate()

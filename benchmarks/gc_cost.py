@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from client_cost import CHILD_ENV, start_server
+from client_cost import CHILD_ENV, start_server, write_requests
 
 # The child: times each collection, then runs the CLI one way or the other.
 CHILD = """
@@ -63,11 +63,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
-            lines = (
-                json.dumps({"messages": [{"role": "user", "content": f"Rewrite item {i}."}]})
-                for i in range(args.requests)
-            )
-            (work / "requests.jsonl").write_text("".join(line + "\n" for line in lines))
+            write_requests(work, args.requests)
             for run in range(args.repeat):
                 for how in seen:
                     seen[how].append(job(how, run, url, work, args))

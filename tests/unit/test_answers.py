@@ -61,9 +61,20 @@ def test_done_with_spaces_in_a_read_of_many_events() -> None:
     assert streamed.done and streamed.completion().text == "a"
 
 
-def test_events_that_parse_only_when_joined_are_a_cut_stream() -> None:
-    # `{"...":"a` and `"}` are not JSON, but joined with a comma they are one object
-    halves = b'{"choices":[{"delta":{"content":"a', b'"}}]}'
+@pytest.mark.parametrize(
+    "halves",
+    [
+        (b'{"choices":[{"delta":{"content":"a', b'"}}]}'),
+        # joined by a comma they make exactly one object per event, a finish reason included
+        (
+            b'{"choices":[{"delta":{"content":"hi"}}]},{"choices":[{"delta":{"content":"',
+            b'"},"finish_reason":"stop"}]}',
+        ),
+    ],
+)
+def test_events_that_are_json_only_when_joined_are_a_cut_stream(
+    halves: tuple[bytes, bytes],
+) -> None:
     with pytest.raises(StreamCut, match="unreadable stream chunk"):
         answer(events(*halves))
 
