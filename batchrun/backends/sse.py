@@ -20,6 +20,7 @@ from __future__ import annotations
 # parser makes one per streamed token.
 Event = tuple[str, bytes]
 
+BOM = b"\xef\xbb\xbf"
 SEPARATOR = b"\n\ndata: "  # the end of an event and the start of the next one's data line
 
 
@@ -32,9 +33,13 @@ class SSEDecoder:
         self._started = False
 
     def feed(self, chunk: bytes) -> list[Event]:
-        if not self._started and chunk:
+        if not self._started:
+            chunk, self._buffer = self._buffer + chunk, b""
+            if BOM.startswith(chunk):  # all of it may yet be a byte-order mark
+                self._buffer = chunk
+                return []
             self._started = True
-            chunk = chunk.removeprefix(b"\xef\xbb\xbf")
+            chunk = chunk.removeprefix(BOM)
         if b"\r" in chunk:
             self._crlf = True
         buffer = self._buffer + chunk if self._buffer else chunk

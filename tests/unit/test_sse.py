@@ -44,8 +44,11 @@ def test_event_names_and_the_space_after_the_colon() -> None:
     assert decode(body) == [("error", b'{"message": "overloaded"}'), ("message", b"no-space")]
 
 
-def test_a_byte_order_mark_at_the_start_is_dropped() -> None:
+def test_a_byte_order_mark_at_the_start_is_dropped_even_split_between_reads() -> None:
     assert decode(b"\xef\xbb\xbfdata: x\n\n") == [("message", b"x")]
+    assert decode(b"\xef", b"\xbb", b"\xbfdata: x\n\n") == [("message", b"x")]
+    assert decode(b"", b"\xef\xbb\xbf", b"data: x\n\n") == [("message", b"x")]
+    assert decode(b"\xef\xbb\xbfdata: x\n\n\xef\xbb\xbfdata: y\n\n")[0] == ("message", b"x")
 
 
 def test_the_last_event_without_its_blank_line_is_still_delivered_at_the_end() -> None:
