@@ -2,7 +2,8 @@
 
 Every contender sends the same chat requests to one zero-latency server in another process
 (benchmarks/fast_server.py: answers prepared once, so the server costs a header parse and a
-write) and reads every answer whole; streamed answers come as one SSE event per token. Runs
+write) and reads every answer whole; streamed answers come as one SSE event per token, in one
+write, or with `--token-ms T` a write per token T ms apart, as an engine sends them. Runs
 alternate between contenders and repeat; medians are printed, and the ratio of each to the
 bare aiohttp loop of the same run. Client CPU is the process's own (the loops run in this
 process; batchrun and the cookbook's script run as child processes, read from their rusage,
@@ -20,7 +21,7 @@ bind and C requests in flight (benchmarks/cookbook_runner.py says how). Child pr
 modules from bytecode, as an installed package does.
 
     python benchmarks/client_cost.py [--requests 5000] [--concurrency 32] [--tokens 30]
-        [--repeat 3] [--only batchrun,bare-aiohttp,...] [--cookbook PATH]
+        [--token-ms 0] [--repeat 3] [--only batchrun,bare-aiohttp,...] [--cookbook PATH]
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ class Figures:
     server_cpu_s: float
 
 
-def start_server(tokens: int) -> tuple[subprocess.Popen[str], str]:
+def start_server(tokens: int, token_ms: float = 0.0) -> tuple[subprocess.Popen[str], str]:
+    server = [sys.executable, str(HERE / "fast_server.py"), "--tokens", str(tokens)]
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "fast_server.py"), "--tokens", str(tokens)],
+        [*server, "--token-ms", str(token_ms)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -296,12 +298,18 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=30, help="tokens (SSE events) per answer")
+    parser.add_argument(
+        "--token-ms",
+        type=float,
+        default=0.0,
+        help="the server streams a write per token, this far apart (0: an answer in one write)",
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--only", help="comma-separated contenders (bare-aiohttp always runs)")
     parser.add_argument("--cookbook", type=Path, help="a copy of api_request_parallel_processor.py")
     args = parser.parse_args()
     table = contenders(args)
-    server, url = start_server(args.tokens)
+    server, url = start_server(args.tokens, args.token_ms)
     runs: dict[str, list[Figures]] = {name: [] for name in table}
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -322,10 +330,11 @@ def main() -> None:
 
 def report(runs: dict[str, list[Figures]], table: dict, args: argparse.Namespace) -> None:
     n, tokens = args.requests, args.tokens
+    writes = f"a write per token {args.token_ms:g} ms apart" if args.token_ms else "one write"
+    where = f"zero-latency server in another process ({writes})"
     print(
-        f"{n} chat requests of {tokens} tokens, {args.concurrency} in flight, zero-latency server "
-        f"in another process; median of {args.repeat}. wall and CPU: the whole command; "
-        "run req/s: the sending alone"
+        f"{n} chat requests of {tokens} tokens, {args.concurrency} in flight, {where}; median "
+        f"of {args.repeat}. wall and CPU: the whole command; run req/s: the sending alone"
     )
     print(
         f"{'contender':20} {'wall':>7} {'req/s':>6} {'run req/s':>9} {'chunks/s':>8} {'CPU':>6} "

@@ -6,10 +6,11 @@ It shares nothing with batchrun (stdlib only) and speaks plain HTTP/1.1 with kee
 
 - POST /v1/chat/completions, /v1/completions: `--tokens` words; streamed (`"stream": true`
   in the body) as one SSE event per token, a usage event (when stream_options asks) and
-  `data: [DONE]`, in chunked transfer encoding, as llama-server and vLLM send them;
+  `data: [DONE]`, in chunked transfer encoding, as llama-server and vLLM send them: all in
+  one write, or with `--token-ms T` a write per token, T ms apart, as an engine does;
 - GET /v1/models.
 
-    python benchmarks/fast_server.py [--port 0] [--tokens 30]
+    python benchmarks/fast_server.py [--port 0] [--tokens 30] [--token-ms 0]
 
 It prints `listening on http://127.0.0.1:PORT/v1` once ready and serves until killed.
 """
@@ -74,7 +75,9 @@ class Answers:
         return _head("200 OK", "application/json", len(body)) + body
 
     @staticmethod
-    def _stream(base: dict, words: list[str], usage: dict | None, chat: bool) -> bytes:
+    def _stream(base: dict, words: list[str], usage: dict | None, chat: bool) -> list[bytes]:
+        """The answer's writes when sent token by token: the head with the first token, one
+        write per later token, and the last with the usage event, [DONE] and the body's end."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         events = []
         for i, word in enumerate(words):
@@ -84,17 +87,22 @@ class Answers:
             events.append({**base, "object": kind, "choices": [choice]})
         if usage is not None:
             events.append({**base, "object": kind, "choices": [], "usage": usage})
-        body = b"".join(
+        parts = [
             _chunked(b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n")
             for e in events
-        )
-        body += _chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n"
-        return _head("200 OK", "text/event-stream", None) + body
+        ]
+        end = _chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+        if usage is not None:
+            end = parts.pop() + end
+        parts[0] = _head("200 OK", "text/event-stream", None) + parts[0]
+        parts[-1] += end
+        return parts
 
 
 class Connection(asyncio.Protocol):
-    def __init__(self, answers: Answers) -> None:
+    def __init__(self, answers: Answers, token_s: float) -> None:
         self.answers = answers
+        self.token_s = token_s  # between a streamed answer's writes; 0: all in one write
         self.buffer = b""
         self.transport: asyncio.Transport | None = None
 
@@ -118,27 +126,45 @@ class Connection(asyncio.Protocol):
                 return
             body = self.buffer[end + 4 : end + 4 + length]
             self.buffer = self.buffer[end + 4 + length :]
-            assert self.transport is not None
-            self.transport.write(self.respond(head.split(" ", 2)[:2], body))
+            writes = self.respond(head.split(" ", 2)[:2], body)
+            if self.token_s and len(writes) > 1:  # a client sends again only once answered
+                asyncio.get_running_loop().create_task(self.trickle(writes))
+            else:
+                assert self.transport is not None
+                self.transport.write(b"".join(writes))
 
-    def respond(self, request_line: list[str], body: bytes) -> bytes:
+    async def trickle(self, writes: list[bytes]) -> None:
+        """A streamed answer as an engine sends it: a write per token, `token_s` apart."""
+        for i, part in enumerate(writes):
+            if i:
+                await asyncio.sleep(self.token_s)
+            if self.transport is None or self.transport.is_closing():
+                return
+            self.transport.write(part)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+
+    def respond(self, request_line: list[str], body: bytes) -> list[bytes]:
         method, path = request_line
         if method == "GET" and path.endswith("/models"):
-            return self.answers.models
+            return [self.answers.models]
         chat = path.endswith("/chat/completions")
         if method != "POST" or not (chat or path.endswith("/completions")):
-            return self.answers.not_found
+            return [self.answers.not_found]
         asked = json.loads(body)
         if asked.get("stream"):
             usage = bool((asked.get("stream_options") or {}).get("include_usage"))
             return self.answers.streamed[(chat, usage)]
-        return self.answers.plain[chat]
+        return [self.answers.plain[chat]]
 
 
-async def serve(port: int, tokens: int) -> None:
+async def serve(port: int, tokens: int, token_ms: float) -> None:
     answers = Answers(tokens)
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: Connection(answers), "127.0.0.1", port, backlog=1024)
+    server = await loop.create_server(
+        lambda: Connection(answers, token_ms / 1000), "127.0.0.1", port, backlog=1024
+    )
     bound = server.sockets[0].getsockname()[1]
     print(f"listening on http://127.0.0.1:{bound}/v1", flush=True)
     async with server:
@@ -149,9 +175,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--tokens", type=int, default=30, help="tokens (words) per answer")
+    parser.add_argument(
+        "--token-ms",
+        type=float,
+        default=0.0,
+        help="stream token by token, this far apart (0: a whole answer in one write)",
+    )
     args = parser.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.port, args.tokens))
+        asyncio.run(serve(args.port, args.tokens, args.token_ms))
 
 
 if __name__ == "__main__":
