@@ -112,8 +112,8 @@ class StreamedAnswer:
 
 def _parse_all(datas: list[bytes]) -> list[Any] | None:
     """The events' JSON, each event parsed on its own (none in a Python loop); None if one
-    does not parse. Not as one JSON array, which would be a third cheaper: payloads that are
-    not JSON alone can join into an array of one object each (`{..},{"a":"` and `"}`)."""
+    does not parse. Not as one JSON array, which would be cheaper: payloads that are not JSON
+    alone can join into an array of one object each (`{..},{"a":"` and `"}`)."""
     try:
         return list(map(orjson.loads, datas))
     except orjson.JSONDecodeError:
