@@ -7,7 +7,10 @@ prints the medians of each tree, and the median of the paired ratios (new / old:
 faster). A checkout of the old code: `git worktree add /tmp/old REV`.
 
     python benchmarks/ab_trees.py OLD_TREE NEW_TREE [--rounds 8] [--requests 4000]
-        [--modes no-stream,stream]
+        [--modes no-stream,stream] [--concurrency 32] [--url URL]
+
+With `--url`, a server already running (a real engine) answers instead: requests ask for at
+most 64 tokens.
 """
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ from pathlib import Path
 from client_cost import CHILD_ENV, start_server, write_requests
 
 
-def one_job(tree: Path, url: str, work: Path, mode: str) -> tuple[float, float, float]:
+def one_job(
+    tree: Path, url: str, work: Path, mode: str, concurrency: int
+) -> tuple[float, float, float]:
     """(wall, CPU, sending) seconds of one `batchrun submit` run from `tree`'s sources."""
     job = f"ab{time.monotonic_ns()}"
     command = [sys.executable, "-m", "batchrun", "--home", str(work / "home"), "submit"]
     command += [str(work / "requests.jsonl"), "--job", job, "--base-url", url]
-    command += ["--model", "fast-1", "--concurrency", "32", "--quiet", "--no-reuse", f"--{mode}"]
+    command += ["--model", "fast-1", "--concurrency", str(concurrency), "--quiet", "--no-reuse"]
+    command.append(f"--{mode}")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     subprocess.run(command, cwd=tree, env=CHILD_ENV, check=True, capture_output=True)
@@ -49,9 +55,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--modes", default="no-stream,stream")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument(
+        "--url", help="a server already running (a real engine's /v1 URL) instead of fast_server"
+    )
     args = parser.parse_args()
     trees, modes = [args.old.resolve(), args.new.resolve()], args.modes.split(",")
-    server, url = start_server(30)
+    server, url = (None, args.url) if args.url else start_server(30)
     runs: dict[tuple[int, str], list[tuple[float, float, float]]] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -68,15 +78,19 @@ def main() -> None:
             for r in range(args.rounds):
                 for mode in modes:
                     for i in (0, 1) if r % 2 == 0 else (1, 0):
-                        runs.setdefault((i, mode), []).append(one_job(trees[i], url, work, mode))
+                        run = one_job(trees[i], url, work, mode, args.concurrency)
+                        runs.setdefault((i, mode), []).append(run)
     finally:
-        server.terminate()
-        server.wait()
+        if server is not None:
+            server.terminate()
+            server.wait()
     report(runs, modes, args)
 
 
 def report(runs: dict, modes: list[str], args: argparse.Namespace) -> None:
-    print(f"{args.requests} chat requests of 30 tokens, 32 in flight; {args.rounds} rounds")
+    where = args.url or "the zero-latency server, 30 tokens an answer"
+    print(f"{args.requests} chat requests, {args.concurrency} in flight, {where}; ", end="")
+    print(f"{args.rounds} rounds")
     print(f"{'mode':10} {'tree':4} {'wall':>6} {'CPU':>6} {'sending':>8} {'run req/s':>9}")
     for mode in modes:
         for i, name in enumerate(("old", "new")):
