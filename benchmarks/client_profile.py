@@ -7,7 +7,8 @@ these that its stack shows, innermost first:
 
   startup      imports and interpreter start
   ledger       SQLAlchemy and sqlite3 (claims, group commits, the results file)
-  answers      SSE framing, JSON parsing, assembling the answer (backends/sse.py, answers.py)
+  answers      SSE framing, JSON parsing, assembling the answer (backends/sse.py, answers.py,
+               frames.py)
   http engine  aiohttp (the wire: request writing, response parsing, connection pool)
   httpx        httpx's Request/Response objects at the transport seam
   log+progress the job log and progress (progress.py)
@@ -34,7 +35,7 @@ from client_cost import CHILD_ENV, start_server, write_requests
 CATEGORIES = [  # (name, pattern on a frame's file), first match from the innermost frame
     ("startup", r"<frozen importlib|_find_and_load"),
     ("ledger", r"sqlalchemy/|sqlite3/|batchrun/ledger/|batchrun/outputs\.py"),
-    ("answers", r"batchrun/backends/(sse|answers)\.py"),
+    ("answers", r"batchrun/backends/(sse|answers|frames)\.py"),
     ("http engine", r"aiohttp/|yarl/|multidict/"),
     ("httpx", r"httpx/"),
     ("log+progress", r"batchrun/progress\.py|tqdm/"),
@@ -94,6 +95,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--keep", type=Path, help="a folder to keep py-spy's raw profiles in")
     args = parser.parse_args()
     if shutil.which("py-spy") is None:
         raise SystemExit("needs py-spy on PATH: pip install py-spy")
@@ -103,6 +105,10 @@ def main() -> None:
             work = Path(tmp)
             write_requests(work, args.requests)
             results = {stream: profile(url, work, args, stream) for stream in (False, True)}
+            if args.keep:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                for raw in work.glob("profile-*.txt"):
+                    shutil.copy(raw, args.keep / raw.name)
     finally:
         server.terminate()
         server.wait()

@@ -13,11 +13,16 @@ import orjson
 
 from batchrun.backends.base import Completion, Watch
 from batchrun.backends.errors_http import message_of, server_message
+from batchrun.backends.frames import Frame, plain_text
 from batchrun.backends.sse import Event
 from batchrun.errors import Overloaded, StreamCut
 
 # Server-side timings some servers put in `usage` (Groq), in seconds.
 SERVER_TIMING = ("queue_time", "prompt_time", "completion_time", "total_time")
+# Frames an answer tries to take from its plain events: its first may differ from the rest (a
+# role), and a server whose events differ each time (a per-event field) then gets no more.
+FRAME_TRIES = 2
+FRAMED_READ = 4  # events in a read from which frames pay (measured: benchmarks/stream_parse.py)
 
 
 class StreamedAnswer:
@@ -32,6 +37,8 @@ class StreamedAnswer:
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
         self.saw_choice = False
+        self.frame: Frame | None = None  # the bytes around this answer's plain events' text
+        self.frames_left = FRAME_TRIES
 
     def add(self, events: list[Event]) -> None:
         """The events one network read completed (they arrived together)."""
@@ -42,16 +49,57 @@ class StreamedAnswer:
         done = len(datas) == len(events) and datas[-1] == b"[DONE]"
         if done:
             datas.pop()
-        chunks = _parse_all(datas) if len(datas) + done == len(events) else None
+        chunks = self._read(datas) if len(datas) + done == len(events) else None
         if chunks is None:  # not chunks alone, perhaps ended by [DONE]: event by event
             chunks = [_parse_one(data) for data in self._until_done(events)]
         else:
             self.events += len(events)
             self.done = done
         for chunk in chunks:
-            self._chunk(chunk)
+            if type(chunk) is tuple:  # the texts of framed events (JSON never parses to one)
+                self.saw_choice = True
+                self.pieces.extend(filter(None, chunk))
+            else:
+                self._chunk(chunk)
         if len(self.pieces) > pieces:
             self._arrived(time.perf_counter() - self.started, len(self.pieces) - pieces)
+
+    def _read(self, datas: list[bytes]) -> list[Any] | None:
+        """The events' JSON, each parsed on its own (never joined: payloads that are not JSON
+        alone can join into an array of one object each, `{..},{"a":"` and `"}`), and in a read
+        of many, each run of framed events as a tuple of its texts; None if one does not parse.
+        A read of a few (a server writing token by token, the client keeping up) is parsed in
+        one pass: a frame costs more than it saves there."""
+        if len(datas) < FRAMED_READ:
+            try:
+                return list(map(orjson.loads, datas))
+            except orjson.JSONDecodeError:
+                return None
+        chunks: list[Any] = []
+        at, count = 0, len(datas)
+        while at < count:
+            if self.frame is not None and (end := self.frame.end(datas, at)) > at:
+                texts = self.frame.texts(datas[at:end])
+                if texts is None:
+                    return None  # one of them is not the frame around a text: event by event
+                chunks.append(tuple(texts))
+                at = end
+                continue
+            if not self.frames_left:  # no frame here, and no more tried: the rest in one pass
+                try:
+                    return chunks + list(map(orjson.loads, datas[at:]))
+                except orjson.JSONDecodeError:
+                    return None
+            try:
+                chunk = orjson.loads(datas[at])
+            except orjson.JSONDecodeError:
+                return None
+            chunks.append(chunk)
+            at += 1
+            if (text := plain_text(chunk, self.endpoint)) is not None:
+                self.frames_left -= 1  # a first plain event may differ from the rest (a role)
+                self.frame = Frame.of(datas[at - 1], text, self.endpoint) or self.frame
+        return chunks
 
     def _until_done(self, events: list[Event]) -> list[bytes]:
         """The events' data up to `[DONE]` (what follows it does not count)."""
@@ -108,16 +156,6 @@ class StreamedAnswer:
         ttft = self.times[0] if self.times else None
         text = "".join(self.pieces)
         return completion(text, self.finish, self.usage, self.started, ttft, tuple(self.times))
-
-
-def _parse_all(datas: list[bytes]) -> list[Any] | None:
-    """The events' JSON, each event parsed on its own (none in a Python loop); None if one
-    does not parse. Not as one JSON array, which would be cheaper: payloads that are not JSON
-    alone can join into an array of one object each (`{..},{"a":"` and `"}`)."""
-    try:
-        return list(map(orjson.loads, datas))
-    except orjson.JSONDecodeError:
-        return None
 
 
 def _parse_one(data: bytes) -> Any:

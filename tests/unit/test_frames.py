@@ -1,0 +1,183 @@
+"""Framed events (backends/frames.py): read as their texts alone, never differently from
+parsing each one. Each test compares an answer read with frames to the same answer read event
+by event, on streams whose texts are hostile bytes put between a frame's two ends."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchrun.backends.answers import FRAME_TRIES, StreamedAnswer
+from batchrun.backends.frames import Frame, plain_text
+from batchrun.backends.sse import SSEDecoder
+from batchrun.errors import StreamCut
+
+HEAD = b'{"id":"c1","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"'
+TAIL = b'"},"finish_reason":null}]}'
+FINISH = b'{"id":"c1","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}'
+ROLE = b'{"id":"c1","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
+
+# Bytes to put between the frame's ends: text, escapes, and what could break out of a string.
+PIECES = [b"a", b" the", b"\\n", b"\\u00e9", b"\\\\", b'\\"', "\u00e9".encode()]
+HOSTILE = [b'"', b"\\", b",", b'","', b"]", b"\x01", b"\\u12", b"\\x", b"\xff", b'"}', *PIECES]
+
+
+def read(reads: list[bytes], *, frames: bool, endpoint: str = "chat") -> tuple[object, ...]:
+    """What an answer read from these network reads comes to: its text, pieces and events,
+    or the error it raised."""
+    streamed, decoder = StreamedAnswer(endpoint, 0.0, None), SSEDecoder()
+    if not frames:
+        streamed.frames_left = 0
+    try:
+        for data in reads:
+            streamed.add(decoder.feed(data))
+        streamed.add(decoder.close())
+        done = streamed.completion()
+    except StreamCut as exc:
+        return ("cut", str(exc))
+    outcome = (done.text, done.finish_reason, len(streamed.times), streamed.events)
+    return (*outcome, done.completion_tokens)
+
+
+def body(*datas: bytes) -> bytes:
+    return b"".join(b"data: " + data + b"\n\n" for data in datas)
+
+
+def split(whole: bytes, cuts: list[int]) -> list[bytes]:
+    cuts = sorted(cuts)
+    return [whole[a:b] for a, b in zip([0, *cuts], [*cuts, len(whole)], strict=True)]
+
+
+def same_either_way(reads: list[bytes], endpoint: str = "chat") -> tuple[object, ...]:
+    framed = read(reads, frames=True, endpoint=endpoint)
+    assert framed == read(reads, frames=False, endpoint=endpoint)
+    return framed
+
+
+@settings(max_examples=400)
+@given(
+    st.lists(st.lists(st.sampled_from(HOSTILE), max_size=4).map(b"".join), max_size=10),
+    st.lists(st.integers(0, 4000), max_size=3),
+)
+def test_hostile_texts_read_the_same_framed_or_not(insides: list[bytes], cuts: list[int]) -> None:
+    datas = [ROLE, *(HEAD + inside + TAIL for inside in insides), FINISH, b"[DONE]"]
+    whole = body(*datas)
+    same_either_way([whole])
+    same_either_way(split(whole, cuts))
+
+
+@given(st.lists(st.text(max_size=6), max_size=12))
+def test_any_text_reads_back_exactly(texts: list[str]) -> None:
+    datas = [HEAD + orjson.dumps(text)[1:-1] + TAIL for text in texts]
+    outcome = same_either_way([body(*datas, FINISH, b"[DONE]")])
+    assert outcome[:3] == ("".join(texts), "stop", sum(1 for text in texts if text))
+
+
+def test_two_broken_texts_that_pair_into_valid_strings_are_a_cut_stream() -> None:
+    # A lone backslash escapes the quote after it and the next text's bare quote closes the
+    # string: as one array of strings they parse, yet neither event is JSON on its own.
+    datas = [HEAD + b"x" + TAIL, HEAD + b"c\\" + TAIL, HEAD + b',"e' + TAIL, FINISH]
+    outcome = same_either_way([body(*datas)])
+    assert outcome[0] == "cut" and "unreadable stream chunk" in str(outcome[1])
+
+
+@pytest.mark.parametrize("text", [b" x", b"\\u0001"], ids=["text", "the-marker"])
+def test_a_text_that_also_fills_a_later_field_is_framed_where_it_is_read(text: bytes) -> None:
+    # The text is found last in "echo", which is not where it is read from: the frame must
+    # not be taken there, or the echoes would be read as the texts.
+    datas = [HEAD + text + TAIL[:-1] + b',"echo":"%s"}' % echo for echo in (text, b"y", b"z")]
+    expected = orjson.loads(b'"%s"' % text) * 3
+    assert same_either_way([body(*datas, FINISH)])[0] == expected
+
+
+def test_an_event_of_two_choices_makes_no_frame() -> None:
+    def event(first: bytes, second: bytes) -> bytes:
+        return b'{"choices":[{"delta":{"content":"%s"}},{"delta":{"content":"%s"}}]}' % (
+            first,
+            second,
+        )
+
+    datas = [event(b"a", b"b"), event(b"c", b"b"), event(b"e", b"b"), FINISH]
+    assert same_either_way([body(*datas)])[0] == "abcbeb"
+
+
+@pytest.mark.parametrize(
+    "rest",
+    [b'"finish_reason":"%s"}]', b'"finish_reason":null}],"usage":{"completion_tokens":%s}'],
+    ids=["finish_reason", "usage"],
+)
+def test_an_event_that_counts_beyond_its_text_makes_no_frame(rest: bytes) -> None:
+    # Were the first event a frame, the third would be read as its text alone, and the
+    # second's finish reason or usage (its text, escaped, makes no frame) would wrongly stand.
+    def event(text: bytes, value: bytes) -> bytes:
+        return b'{"choices":[{"delta":{"content":"%s"},%s}' % (text, rest % value)
+
+    end = FINISH if b"usage" in rest else b"[DONE]"  # a finish reason, for usage alone
+    datas = [event(b"a", b"3"), event(b"\\u00e9", b"4"), event(b"c", b"3"), event(b"d", b"3")]
+    assert same_either_way([body(*datas, end)])[0] == "a\u00e9cd"
+
+
+def test_no_frame_where_the_text_is_written_otherwise_or_is_not_plain() -> None:
+    escaped = HEAD + b"\\u00e9" + TAIL  # a server that escapes non-ASCII text
+    assert Frame.of(escaped, "\u00e9", "chat") is None
+    assert plain_text(orjson.loads(FINISH), "chat") is None
+    assert plain_text(orjson.loads(ROLE), "chat") == ""
+    assert Frame.of(ROLE, "", "chat") is not None
+
+
+def test_a_field_that_changes_per_event_costs_a_few_tries_then_none() -> None:
+    datas = [HEAD + b"w" + TAIL.replace(b"}]}", b'}],"n":%d}' % i) for i in range(20)]
+    streamed = StreamedAnswer("chat", 0.0, None)
+    streamed.add(SSEDecoder().feed(body(*datas)))
+    assert streamed.frames_left == 0 and streamed.pieces == ["w"] * 20
+    assert same_either_way([body(*datas, FINISH)])[0] == "w" * 20
+
+
+def test_a_read_of_a_few_events_makes_no_frame() -> None:
+    streamed = StreamedAnswer("chat", 0.0, None)
+    for word in (b"a", b"b", b"c", b"d"):
+        streamed.add(SSEDecoder().feed(body(HEAD + word + TAIL)))
+    assert streamed.frame is None and streamed.frames_left == FRAME_TRIES
+    streamed.add(SSEDecoder().feed(body(*(HEAD + word + TAIL for word in (b"e", b"f", b"g")))))
+    streamed.add(
+        SSEDecoder().feed(body(*(HEAD + word + TAIL for word in (b"h", b"i", b"j", b"k"))))
+    )
+    assert streamed.frame is not None and "".join(streamed.pieces) == "abcdefghijk"
+
+
+@pytest.mark.parametrize("per_read", [1, 3, 40])
+def test_completions_texts_framed_at_any_grouping(per_read: int) -> None:
+    head, tail = b'{"id":"t","choices":[{"index":0,"text":"', b'","finish_reason":null}]}'
+    words = [" a", "", ' "q"', " \\ done"]
+    datas = [head + orjson.dumps(word)[1:-1] + tail for word in words * 5]
+    datas += [b'{"choices":[{"index":0,"text":"","finish_reason":"length"}]}', b"[DONE]"]
+    reads = [body(*datas[i : i + per_read]) for i in range(0, len(datas), per_read)]
+    assert same_either_way(reads, "completions")[:3] == ("".join(words) * 5, "length", 15)
+
+
+def test_framed_events_skip_no_piece_and_keep_their_order() -> None:
+    datas = [ROLE, *(HEAD + w + TAIL for w in (b"1", b"", b"2")), FINISH, HEAD + b"3" + TAIL]
+    streamed = StreamedAnswer("chat", 0.0, None)
+    streamed.add(SSEDecoder().feed(body(*datas)))
+    assert streamed.pieces == ["1", "2", "3"] and streamed.frame is not None
+    assert streamed.completion().text == "123"
+
+
+def test_an_event_where_the_frames_two_ends_overlap_is_a_cut_stream() -> None:
+    # It starts and ends as the frame does, sharing the text's one quote: no text, not JSON.
+    datas = [HEAD + b"x" + TAIL, HEAD + b"y" + TAIL, HEAD + TAIL[1:], HEAD + b"z" + TAIL, FINISH]
+    outcome = same_either_way([body(*datas)])
+    assert outcome[0] == "cut" and "unreadable stream chunk" in str(outcome[1])
+
+
+def test_json_written_by_a_model_is_read_framed() -> None:
+    # An answer that is JSON is full of quotes and commas: `",` is a common token. Its
+    # escaped quote must not be taken for a text's end, or such answers lose their frames.
+    words = ["{", '"', "name", '":', ' "', "a\\b", '",', ' "n', '":', " 3", "}", "\\"]
+    datas = [HEAD + orjson.dumps(word)[1:-1] + TAIL for word in words]
+    frame = Frame.of(datas[0], "{", "chat")
+    assert frame is not None and frame.end(datas, 0) == len(datas)
+    assert frame.texts(datas) == words
+    assert same_either_way([body(*datas, FINISH)])[0] == "".join(words)
