@@ -19,8 +19,9 @@ from batchrun.errors import Overloaded, StreamCut
 
 # Server-side timings some servers put in `usage` (Groq), in seconds.
 SERVER_TIMING = ("queue_time", "prompt_time", "completion_time", "total_time")
-# Frames an answer tries to take from its plain events: its first may differ from the rest (a
-# role), and a server whose events differ each time (a per-event field) then gets no more.
+# Events of an answer parsed one by one in reads of many, each a chance to take a frame: the
+# first may differ from the rest (a role); after that the rest of a read goes in one pass, so a
+# server whose events differ each time (a per-event field) costs two tries an answer.
 FRAME_TRIES = 2
 FRAMED_READ = 4  # events in a read from which frames pay (measured: benchmarks/stream_parse.py)
 
@@ -96,8 +97,8 @@ class StreamedAnswer:
                 return None
             chunks.append(chunk)
             at += 1
+            self.frames_left -= 1  # a first event may differ from the rest (a role)
             if (text := plain_text(chunk, self.endpoint)) is not None:
-                self.frames_left -= 1  # a first plain event may differ from the rest (a role)
                 self.frame = Frame.of(datas[at - 1], text, self.endpoint) or self.frame
         return chunks
 

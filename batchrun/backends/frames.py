@@ -8,12 +8,14 @@ object is built per token, and no Python runs per event beyond a prefix and suff
 
 Exact, not a guess:
 
-- a frame is kept only if putting another text in its place changes the parsed event in that
-  text alone (so the bytes around it hold nothing that depends on it), and only from a plain
-  event: one choice, a string text, no finish reason or usage;
-- a run is decoded only if every text in it is, by itself, the inside of a JSON string: no
-  quote that is not escaped, no lone backslash at its end. Then each event of the run parses
-  to the frame's event with its own text, and the array's strings are those texts.
+- a frame is taken only from a plain event (one choice, a string text, no finish reason, usage
+  or error: its text is all it adds to an answer), and only if two different texts put in its
+  text's place are each read back as the event's text: the span between head and tail is then
+  the whole inside of the string the text is read from, and nothing else depends on it;
+- a run is decoded only if its insides, joined, parse as an array of as many strings (strings
+  alone) and none ends in a lone backslash: then each is by itself the inside of a JSON
+  string, each event of the run parses to the frame's event with its own text, and the
+  array's strings are those texts.
 
 Anything else (a field that changes per event, a text the checks refuse) is parsed event by
 event as before: slower, never different.
@@ -25,8 +27,9 @@ from typing import Any
 
 import orjson
 
-MARKER = b"\\u0001"  # a text put in the frame to find where the text sits
-MARKED = "\x01"
+# Two texts put in the frame in turn: read back from it both times, the frame's span is what
+# the text is read from (one could be read back by chance: a duplicate key already holding it).
+MARKERS = ((b"\\u0001", "\x01"), (b"\\u0002", "\x02"))
 
 
 class Frame:
@@ -42,20 +45,21 @@ class Frame:
     def of(cls, data: bytes, text: str, endpoint: str) -> Frame | None:
         """The frame of a plain event (`data`, whose text is `text`: plain_text), if its text
         is written in it as orjson writes it (a server that writes strings otherwise gets none)."""
-        if text == MARKED:
-            return None
         written = orjson.dumps(text)
         at = data.rfind(written)
         if at < 0:
             return None
         head, tail = data[: at + 1], data[at + len(written) - 1 :]
-        try:
-            probe = orjson.loads(head + MARKER + tail)
-        except orjson.JSONDecodeError:
-            return None
-        # The marker in the text's place is the text: that span is the whole inside of the
-        # string the text is read from, so nothing else in the event changed with it.
-        return cls(head, tail) if plain_text(probe, endpoint) == MARKED else None
+        for marker, marked in MARKERS:
+            try:
+                probe = orjson.loads(head + marker + tail)
+            except orjson.JSONDecodeError:
+                return None
+            if plain_text(probe, endpoint) != marked:
+                return None
+        # The text read follows what the span holds: the span is the whole inside of the
+        # string the text is read from, and nothing else in the event changes with it.
+        return cls(head, tail)
 
     def end(self, datas: list[bytes], start: int) -> int:
         """Where the run of events that start and end as the frame does, from `start`, ends."""
@@ -75,9 +79,10 @@ class Frame:
 
 def _strings(insides: list[bytes]) -> list[str] | None:
     """The strings whose JSON insides these are, in one parse; None unless each is, by itself,
-    the inside of a JSON string. As many strings as insides means no inside holds a bare
-    quote (it would add one), once none ends in a lone backslash (it would escape the quote
-    that closes it, and a bare quote in the next could then pair with it)."""
+    the inside of a JSON string. An array of as many strings, and strings alone, means no
+    inside holds a bare quote (it would add a string, or open a bracket that a later one
+    closes), once none ends in a lone backslash (it would escape the quote that closes it,
+    and a bare quote in the next could then pair with it)."""
     array = b'["' + b'","'.join(insides) + b'"]'
     if b"\\" in array:
         # Escaped backslashes out, a backslash left escapes what follows it: none may escape
@@ -86,17 +91,18 @@ def _strings(insides: list[bytes]) -> list[str] | None:
         if b"\\\0" in ends:
             return None
     try:
-        strings = orjson.loads(array)
+        strings: list[str] = orjson.loads(array)
     except orjson.JSONDecodeError:
         return None  # a bad escape, a control character, not UTF-8
-    return strings if len(strings) == len(insides) else None
+    if len(strings) != len(insides) or set(map(type, strings)) - {str}:
+        return None
+    return strings
 
 
 def plain_text(chunk: Any, endpoint: str) -> str | None:
     """The text of a plain event: one choice, a string text, and nothing else that counts (no
-    finish reason or usage; an error ends the answer where it is read), so its only effect on
-    an answer is its text."""
-    if not isinstance(chunk, dict) or chunk.get("usage"):
+    finish reason, usage or error), so its only effect on an answer is its text."""
+    if not isinstance(chunk, dict) or chunk.get("usage") or chunk.get("error"):
         return None
     choices = chunk.get("choices")
     if not isinstance(choices, list) or len(choices) != 1:

@@ -21,7 +21,8 @@ ROLE = b'{"id":"c1","choices":[{"index":0,"delta":{"role":"assistant","content":
 
 # Bytes to put between the frame's ends: text, escapes, and what could break out of a string.
 PIECES = [b"a", b" the", b"\\n", b"\\u00e9", b"\\\\", b'\\"', "\u00e9".encode()]
-HOSTILE = [b'"', b"\\", b",", b'","', b"]", b"\x01", b"\\u12", b"\\x", b"\xff", b'"}', *PIECES]
+HOSTILE = [b'"', b"\\", b",", b'","', b"[", b"]", b"{", b'",["', b'"],"', b"\x01", b"\\u12"]
+HOSTILE += [b"\\x", b"\xff", b'"}', *PIECES]
 
 
 def read(reads: list[bytes], *, frames: bool, endpoint: str = "chat") -> tuple[object, ...]:
@@ -181,3 +182,44 @@ def test_json_written_by_a_model_is_read_framed() -> None:
     assert frame is not None and frame.end(datas, 0) == len(datas)
     assert frame.texts(datas) == words
     assert same_either_way([body(*datas, FINISH)])[0] == "".join(words)
+
+
+@pytest.mark.parametrize(
+    "insides",
+    [[b"a", b'",["', b"", b'"],"'], [b"a", b'",{"k":"', b'"},"', b"b"]],
+    ids=["array", "object"],
+)
+def test_brackets_opened_in_one_text_and_closed_in_another_are_a_cut_stream(
+    insides: list[bytes],
+) -> None:
+    # Joined, they make an array of as many items as events, one of them not a string.
+    datas = [HEAD + inside + TAIL for inside in insides]
+    outcome = same_either_way([body(*datas, FINISH)])
+    assert outcome[0] == "cut" and "unreadable stream chunk" in str(outcome[1])
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "first", "later", "text"),
+    [
+        (
+            "chat",
+            b'{"choices":[{"delta":{"content":"\\u0001","content":"conten\\u0074"}}]}',
+            b'{"choices":[{"delta":{"content":"\\u0001","%s":"conten\\u0074"}}]}',
+            "content",
+        ),
+        (
+            "completions",
+            b'{"choices":[{"text":"\\u0001"}],"choices":[{"text":"choice\\u0073"}]}',
+            b'{"choices":[{"text":"\\u0001"}],"%s":[{"text":"choice\\u0073"}]}',
+            "choices",
+        ),
+    ],
+)
+def test_no_frame_at_a_duplicate_key_that_hides_the_marker(
+    endpoint: str, first: bytes, later: bytes, text: str
+) -> None:
+    # The first event's text ("content", "choices") is found last as a key, which overrides an
+    # earlier duplicate already holding the first marker: only a second marker shows it.
+    finish = b'{"choices":[{"text":"","delta":{},"finish_reason":"stop"}]}'
+    datas = [first, *(later % key for key in (b"hi", b"yo", b"zz")), finish]
+    assert same_either_way([body(*datas)], endpoint)[0] == text + "\x01" * 3
