@@ -13,6 +13,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from batchrun.backends.answers import StreamedAnswer
+from batchrun.backends.sse import SSEDecoder
 from tests.integration.helpers import CLI, write_prompts
 from tests.integration.llama_server import SLOTS, NativeLlamaServer, require_llama_server
 
@@ -211,3 +215,32 @@ def test_doctor_finds_guided_json_enforced(
     # Before: mostly `FAIL JSON schema: ... truncated` (a free string ran past 64 tokens).
     _status, report, probes = _doctor(cli, native_llama_server)
     assert probes["JSON schema"] == ("ok", "accepted and enforced (json_object)"), report
+
+
+def _read(raw: bytes, endpoint: str, *, frames: bool) -> tuple[object, ...]:
+    """An answer read from a stream's bytes in one network read, as a client behind its
+    server reads it: with frames (backends/frames.py) or every event parsed on its own."""
+    answer = StreamedAnswer(endpoint, 0.0, None)
+    if not frames:
+        answer.frames_left = 0
+    answer.add(SSEDecoder().feed(raw))
+    done = answer.completion()
+    framed = answer.frame is not None
+    return (done.text, done.finish_reason, len(answer.times), done.completion_tokens, framed)
+
+
+def test_its_streamed_events_read_the_same_framed_or_one_by_one(
+    native_llama_server: NativeLlamaServer,
+) -> None:
+    # llama-server's own bytes: its field order (choices first), its escapes, its usage event.
+    paths = {"chat": "/chat/completions", "completions": "/completions"}
+    for endpoint, path in paths.items():
+        for prompt in ("Once upon a time", 'She said "hi",\nand then'):
+            ask = {"role": "user", "content": prompt}
+            body = {"messages": [ask]} if endpoint == "chat" else {"prompt": prompt}
+            body |= {"max_tokens": 40, "ignore_eos": True, "stream": True}  # 40 tokens, always
+            body["stream_options"] = {"include_usage": True}
+            raw = httpx.post(native_llama_server.url + path, json=body, timeout=60).content
+            framed = _read(raw, endpoint, frames=True)
+            assert framed[:4] == _read(raw, endpoint, frames=False)[:4]
+            assert framed[0] and framed[2] >= 4 and framed[3] == 40 and framed[4], framed
