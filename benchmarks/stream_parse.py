@@ -13,7 +13,11 @@ the client keeping up). Four server shapes:
 - per-event field: a field that changes every event (OpenAI's `obfuscation`): no frame fits,
   so this is what trying costs.
 
-    python benchmarks/stream_parse.py [--tokens 30] [--answers 3000] [--repeat 5]
+It also feeds one event of `--big-mb` megabytes in 4 KiB reads, against the same bytes in one
+read: the decoder holds an unfinished event's reads in a list and joins them once, so the two
+stay close at any size (joining on every read made this quadratic: 24 s for 16 MB).
+
+    python benchmarks/stream_parse.py [--tokens 30] [--answers 3000] [--repeat 5] [--big-mb 16]
 """
 
 from __future__ import annotations
@@ -69,11 +73,20 @@ def per_answer_us(reads: list[bytes], frames: bool, answers: int) -> float:
     return (time.perf_counter() - started) / answers * 1e6
 
 
+def big_event_s(size: int, read: int) -> float:
+    body = b"data: " + b"x" * size + b"\n\n"
+    started, decoder = time.perf_counter(), SSEDecoder()
+    for at in range(0, len(body), read):
+        decoder.feed(body[at : at + read])
+    return time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=30)
     parser.add_argument("--answers", type=int, default=3000)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--big-mb", type=int, default=16)
     args = parser.parse_args()
     print(f"an answer of {args.tokens} tokens; us an answer, median of {args.repeat}")
     print(f"{'server shape':16} {'reads':9} {'by event':>9} {'framed':>8} {'framed/by event':>16}")
@@ -87,6 +100,9 @@ def main() -> None:
                     times[frames].append(per_answer_us(reads, frames, args.answers))
             old, new = statistics.median(times[False]), statistics.median(times[True])
             print(f"{shape:16} {reads_name:9} {old:9.1f} {new:8.1f} {new / old:16.2f}")
+    size = args.big_mb << 20
+    whole, reads = big_event_s(size, size + 8), big_event_s(size, 4096)
+    print(f"one event of {args.big_mb} MB: in one read {whole:.3f}s, in 4 KiB reads {reads:.3f}s")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ A server writes every token's event of an answer the same way: the same id, mode
 around a different piece of text. Once one such event has been parsed, the bytes before and
 after its text are the answer's frame. A run of later events that are the frame around some
 text is read as those texts alone, decoded in one C call as a JSON array of strings: no
-object is built per token, and no Python runs per event beyond a prefix and suffix check.
+object is built per token, and no Python runs per event beyond a prefix and suffix check and
+a slice.
 
 Exact, not a guess:
 

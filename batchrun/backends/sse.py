@@ -28,27 +28,40 @@ class SSEDecoder:
     """Feed bytes as they come; get back the events they completed."""
 
     def __init__(self) -> None:
-        self._buffer = b""
+        # What came after the last blank line, line ends normalised, a read at a time: joined
+        # only once a blank line completes an event (one event sent in many reads costs a pass
+        # over its bytes, not one per read).
+        self._parts: list[bytes] = []
+        self._cr = b""  # a CR that ended a read: its LF may come in the next one
         self._crlf = False  # a CR has been seen: line ends need normalising
+        self._head = b""  # the start of the stream, while it may yet be a byte-order mark
         self._started = False
 
     def feed(self, chunk: bytes) -> list[Event]:
         if not self._started:
-            chunk, self._buffer = self._buffer + chunk, b""
+            chunk, self._head = self._head + chunk, b""
             if BOM.startswith(chunk):  # all of it may yet be a byte-order mark
-                self._buffer = chunk
+                self._head = chunk
                 return []
             self._started = True
             chunk = chunk.removeprefix(BOM)
-        if b"\r" in chunk:
+        if self._crlf or b"\r" in chunk:
             self._crlf = True
-        buffer = self._buffer + chunk if self._buffer else chunk
-        if self._crlf:
-            if buffer.endswith(b"\r"):  # its LF may come in the next read
-                self._buffer = buffer
-                return []
-            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        whole, end, self._buffer = buffer.rpartition(b"\n\n")
+            chunk = self._cr + chunk
+            self._cr = b"\r" if chunk.endswith(b"\r") else b""
+            chunk = _lf(chunk[:-1] if self._cr else chunk)
+        parts = self._parts
+        if parts:  # an event begun in an earlier read
+            straddle = chunk[:1] == b"\n" and parts[-1][-1:] == b"\n"
+            if b"\n\n" not in chunk and not straddle:
+                if chunk:
+                    parts.append(chunk)
+                return []  # still no end to it
+            chunk = b"".join([*parts, chunk])
+            parts.clear()
+        whole, end, rest = chunk.rpartition(b"\n\n")
+        if rest:
+            parts.append(rest)
         if not end:
             return []
         if whole[:6] == b"data: ":
@@ -69,10 +82,15 @@ class SSEDecoder:
 
     def close(self) -> list[Event]:
         """The stream ended: the event it cut short of its blank line, if any."""
-        rest = self._buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        self._buffer = b""
+        rest = _lf(b"".join([*self._parts, self._cr]))
+        self._parts, self._cr = [], b""
         blocks = rest.split(b"\n\n")
         return [event for block in blocks if (event := _event(block.strip(b"\n"))) is not None]
+
+
+def _lf(data: bytes) -> bytes:
+    """CRLF and CR line ends as LF."""
+    return data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
 
 
 def _event(block: bytes) -> Event | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -76,3 +77,12 @@ def test_any_events_any_line_ends_any_split(
     chunks = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True)]
     wanted = [(kind, "\n".join(parts).encode()) for kind, parts in sent]
     assert decode(*chunks) == wanted
+
+
+@pytest.mark.parametrize("end", [b"\n", b"\r\n", b"\r"])
+def test_one_big_event_in_many_small_reads(end: bytes) -> None:
+    # Held as a list of reads until its blank line comes, then joined once.
+    text = bytes(range(32, 127)) * 11_000  # a megabyte
+    body = b"data: " + text + end + end + b"data: next" + end + end
+    reads = [body[i : i + 4096] for i in range(0, len(body), 4096)]
+    assert decode(*reads) == [("message", text), ("message", b"next")]
