@@ -52,8 +52,10 @@ class SSEDecoder:
             chunk = _lf(chunk[:-1] if self._cr else chunk)
         parts = self._parts
         if parts:  # an event begun in an earlier read
-            straddle = chunk[:1] == b"\n" and parts[-1][-1:] == b"\n"
-            if b"\n\n" not in chunk and not straddle:
+            # The held reads are non-empty and hold no blank line, joined or apart: a blank
+            # line now is in this read, or begins at the end of the last one.
+            ends = b"\n\n" in chunk or (chunk[:1] == b"\n" and parts[-1][-1:] == b"\n")
+            if not ends:
                 if chunk:
                     parts.append(chunk)
                 return []  # still no end to it
@@ -82,8 +84,8 @@ class SSEDecoder:
 
     def close(self) -> list[Event]:
         """The stream ended: the event it cut short of its blank line, if any."""
-        rest = _lf(b"".join([*self._parts, self._cr]))
-        self._parts, self._cr = [], b""
+        rest = b"".join(self._parts) + (b"\n" if self._cr else b"")  # held: already LF
+        self._parts, self._cr, self._head = [], b"", b""  # a part of a byte-order mark: nothing
         blocks = rest.split(b"\n\n")
         return [event for block in blocks if (event := _event(block.strip(b"\n"))) is not None]
 
