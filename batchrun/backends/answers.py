@@ -23,8 +23,8 @@ SERVER_TIMING = ("queue_time", "prompt_time", "completion_time", "total_time")
 # first may differ from the rest (a role); after that the rest of a read goes in one pass, so a
 # server whose events differ each time (a per-event field) costs two tries an answer.
 FRAME_TRIES = 2
-# Events in a read from which frames are used. With a frame on every read of one event, reading
-# an answer read by event took 1.7x as long (stream_parse.py); a few events in a read save less
+# Events in a read from which frames are used. With a frame on every read of one event, an answer
+# that came a read per event took 1.7x as long to read (stream_parse.py); a few events save less
 # than a frame's checks cost.
 FRAMED_READ = 4
 
