@@ -13,7 +13,7 @@ import orjson
 
 from batchrun.backends.base import Completion, Watch
 from batchrun.backends.errors_http import message_of, server_message
-from batchrun.backends.frames import Frame, plain_text
+from batchrun.backends.frames import Frame, choice_text, plain_text
 from batchrun.backends.sse import Event
 from batchrun.errors import Overloaded, StreamCut
 
@@ -75,10 +75,7 @@ class StreamedAnswer:
         A read of a few (a server writing token by token, the client keeping up) is parsed in
         one pass: a frame costs more than it saves there."""
         if len(datas) < FRAMED_READ:
-            try:
-                return list(map(orjson.loads, datas))
-            except orjson.JSONDecodeError:
-                return None
+            return _parse_all(datas)
         chunks: list[Any] = []
         at, count = 0, len(datas)
         while at < count:
@@ -90,10 +87,8 @@ class StreamedAnswer:
                 at = end
                 continue
             if not self.frames_left:  # no frame here, and no more tried: the rest in one pass
-                try:
-                    return chunks + list(map(orjson.loads, datas[at:]))
-                except orjson.JSONDecodeError:
-                    return None
+                rest = _parse_all(datas[at:])
+                return None if rest is None else chunks + rest
             try:
                 chunk = orjson.loads(datas[at])
             except orjson.JSONDecodeError:
@@ -162,6 +157,14 @@ class StreamedAnswer:
         return completion(text, self.finish, self.usage, self.started, ttft, tuple(self.times))
 
 
+def _parse_all(datas: list[bytes]) -> list[Any] | None:
+    """The events' JSON, each parsed on its own with no Python loop; None if one does not parse."""
+    try:
+        return list(map(orjson.loads, datas))
+    except orjson.JSONDecodeError:
+        return None
+
+
 def _parse_one(data: bytes) -> Any:
     try:
         return orjson.loads(data)
@@ -194,15 +197,6 @@ def read_json(content: bytes, endpoint: str, started: float) -> Completion:
         raise StreamCut("response has no usable choices")
     text = choice_text(choices[0], endpoint, streamed=False) or ""
     return completion(text, choices[0].get("finish_reason"), data.get("usage"), started, None)
-
-
-def choice_text(choice: dict[str, Any], endpoint: str, *, streamed: bool) -> str | None:
-    if endpoint == "completions":
-        text = choice.get("text")
-        return text if isinstance(text, str) else None
-    part = choice.get("delta" if streamed else "message") or {}
-    content = part.get("content") if isinstance(part, dict) else None
-    return content if isinstance(content, str) else None
 
 
 def completion(

@@ -111,8 +111,15 @@ def plain_text(chunk: Any, endpoint: str) -> str | None:
     choice = choices[0]
     if not isinstance(choice, dict) or choice.get("finish_reason"):
         return None
-    part = choice if endpoint == "completions" else choice.get("delta")
-    if not isinstance(part, dict):
-        return None
-    text = part.get("text" if endpoint == "completions" else "content")
-    return text if isinstance(text, str) else None
+    return choice_text(choice, endpoint, streamed=True)
+
+
+def choice_text(choice: dict[str, Any], endpoint: str, *, streamed: bool) -> str | None:
+    """A choice's text: `text` for completions, else its delta's (streamed) or message's
+    `content`; None if it is not a string."""
+    if endpoint == "completions":
+        text = choice.get("text")
+        return text if isinstance(text, str) else None
+    part = choice.get("delta" if streamed else "message") or {}
+    content = part.get("content") if isinstance(part, dict) else None
+    return content if isinstance(content, str) else None
