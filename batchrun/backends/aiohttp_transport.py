@@ -51,6 +51,9 @@ class _Connector(aiohttp.TCPConnector):
         self, req: Any, traces: Any, timeout: aiohttp.ClientTimeout
     ) -> aiohttp.connector.Connection:
         connection = await super().connect(req, traces, timeout)
+        while self._heard_while_idle(connection):
+            connection.close()
+            connection = await super().connect(req, traces, timeout)
         trace = _trace.get()
         protocol = connection.protocol
         if trace is not None and protocol is not None:
@@ -60,6 +63,14 @@ class _Connector(aiohttp.TCPConnector):
         if protocol is not None:
             self._used.add(protocol)
         return connection
+
+    def _heard_while_idle(self, connection: aiohttp.connector.Connection) -> bool:
+        """Whether a pooled connection got bytes (or an error) while it sat idle: a response
+        nobody asked for (a server's duplicate, a 408 before it closes). aiohttp's pool checks
+        only that it is open, and its parser would hand that response to the next request on
+        it as its answer; the connection is closed instead, and another one taken."""
+        protocol = connection.protocol
+        return protocol is not None and protocol in self._used and protocol.should_close
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):

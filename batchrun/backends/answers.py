@@ -128,6 +128,8 @@ class StreamedAnswer:
         for choice in choices:
             if not isinstance(choice, dict):
                 raise StreamCut("malformed stream chunk: a choice is not an object")
+            if choice.get("index") not in (0, None):
+                continue  # another of `n` answers: the first is kept, as when not streamed
             self.saw_choice = True
             piece = choice_text(choice, self.endpoint, streamed=True)
             if piece:

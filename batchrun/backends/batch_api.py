@@ -33,7 +33,7 @@ class BatchAPI:
             response = await self._client.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise error_for_status(503, {}, str(exc).encode(), path) from None
-        if response.status_code >= 400:
+        if response.status_code >= 300:  # a redirect too: not followed
             url = str(response.request.url)
             raise error_for_status(response.status_code, response.headers, response.content, url)
         return response

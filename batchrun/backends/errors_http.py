@@ -14,6 +14,7 @@ from batchrun.backends.base import RateInfo
 from batchrun.errors import (
     AuthFailed,
     BadRequest,
+    FatalError,
     NotFound,
     Overloaded,
     RateLimited,
@@ -119,6 +120,9 @@ def rate_info(headers: Mapping[str, str]) -> RateInfo | None:
 def error_for_status(
     status: int, headers: Mapping[str, str], body: bytes, url: str
 ) -> RequestError:
+    if status < 400:  # a redirect: a POST sent on would not go as sent, so none is followed
+        to = (headers.get("location") or "where it does not say")[:200]
+        return FatalError(f"HTTP {status}: {url} redirects to {to}; point the base URL there")
     message = f"HTTP {status}: {server_message(body) or 'no message'}"
     if status in (401, 403):
         return AuthFailed(f"{message} (check the API key variable)", status=status)

@@ -101,8 +101,9 @@ def _strings(insides: list[bytes]) -> list[str] | None:
 
 
 def plain_text(chunk: Any, endpoint: str) -> str | None:
-    """The text of a plain event: one choice, a string text, and nothing else that counts (no
-    finish reason, usage or error), so its only effect on an answer is its text."""
+    """The text of a plain event: one choice, the first answer's, a string text, and nothing
+    else that counts (no finish reason, usage or error), so its only effect on an answer is
+    its text."""
     if not isinstance(chunk, dict) or chunk.get("usage") or chunk.get("error"):
         return None
     choices = chunk.get("choices")
@@ -111,6 +112,8 @@ def plain_text(chunk: Any, endpoint: str) -> str | None:
     choice = choices[0]
     if not isinstance(choice, dict) or choice.get("finish_reason"):
         return None
+    if choice.get("index") not in (0, None):
+        return None  # another of `n` answers (only the first is kept)
     return choice_text(choice, endpoint, streamed=True)
 
 

@@ -134,17 +134,17 @@ class OpenAICompatBackend:
             with anyio.fail_after(self.timeout):
                 response = await self._send(self._transport, "GET", httpx.URL(url))
                 try:
-                    await response.aread()
+                    content = await _readable_body(response)
                 finally:
                     await response.aclose()
         except (TimeoutError, httpx.TimeoutException):
             raise RequestTimeout(f"no answer from {url} within {self.timeout:g}s") from None
         except httpx.TransportError as exc:
             raise ConnectionFailed(self._describe(exc, url)) from None
-        if response.status_code >= 400:
-            raise error_for_status(response.status_code, response.headers, response.content, url)
+        if response.status_code >= 300:
+            raise error_for_status(response.status_code, response.headers, content, url)
         try:
-            data = orjson.loads(response.content)
+            data = orjson.loads(content)
             return [str(m["id"]) for m in data.get("data", [])]
         except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError):
             raise StreamCut(f"{url} did not return a model list") from None
@@ -152,23 +152,38 @@ class OpenAICompatBackend:
     async def complete(
         self, request: CompletionRequest, *, watch: Watch | None = None
     ) -> Completion:
+        """One attempt, as the retry policy and the concurrency controller count them, under one
+        deadline (`timeout`) for all of it: the asks again below included, or a server that
+        answered each slowly could hold it for several.
+
+        A bare cancel scope, not fail_after: the same deadline at half the cost per request
+        (fail_after wraps it in a generator-based context manager). The raise after the block
+        runs only when the deadline cancelled it (or a transport timed out itself)."""
         try:
-            try:
-                return await self._complete_once(request, watch=watch)
-            except BadRequest as exc:
-                if self.stream and self.stream_options and "stream_options" in str(exc):
-                    self.stream_options = False  # this server refuses it; ask without it
-                    return await self._complete_once(request, watch=watch)
-                raise
-            except EmptyStream:
-                # Ask once more without streaming: a server that says nothing in a stream
-                # says why in a plain answer (a 400 naming the context limit, say).
+            with anyio.CancelScope(deadline=anyio.current_time() + self.timeout):
                 try:
-                    return await self._complete_once(request, stream=False)
-                except ConnectionFailed:  # it closed the connection the stream came on
-                    return await self._complete_once(request, stream=False)
+                    return await self._complete(request, watch)
+                except TimeoutError:  # a transport's own (an injected one)
+                    pass
+            raise RequestTimeout(f"no complete answer within {self.timeout:g}s")
         except RequestError as exc:
             raise self._scrub(exc) from None
+
+    async def _complete(self, request: CompletionRequest, watch: Watch | None) -> Completion:
+        try:
+            return await self._complete_once(request, watch=watch)
+        except BadRequest as exc:
+            if self.stream and self.stream_options and "stream_options" in str(exc):
+                self.stream_options = False  # this server refuses it; ask without it
+                return await self._complete_once(request, watch=watch)
+            raise
+        except EmptyStream:
+            # Ask once more without streaming: a server that says nothing in a stream
+            # says why in a plain answer (a 400 naming the context limit, say).
+            try:
+                return await self._complete_once(request, stream=False)
+            except ConnectionFailed:  # it closed the connection the stream came on
+                return await self._complete_once(request, stream=False)
 
     async def _complete_once(
         self,
@@ -177,7 +192,7 @@ class OpenAICompatBackend:
         stream: bool | None = None,
         watch: Watch | None = None,
     ) -> Completion:
-        """One attempt, as the retry policy and the concurrency controller count them.
+        """One request (and its re-send, if it met a stale connection).
 
         A keep-alive connection the server closed just as we reused it (cpp-httplib's
         keep-alive timeout or request limit, racing our next request) fails before a byte of
@@ -189,19 +204,11 @@ class OpenAICompatBackend:
         back); a completion has no side effect that a second send would repeat.
         """
         out = self._outgoing(request, stream, watch)
-        # A bare cancel scope, not fail_after: the same deadline at half the cost per request
-        # (fail_after wraps it in a generator-based context manager). The raise after the
-        # block runs only when the deadline cancelled it (or a transport timed out itself).
         try:
-            with anyio.CancelScope(deadline=anyio.current_time() + self.timeout):
-                try:
-                    return await self._post(self._transport, out, watch_reuse=True)
-                except _StaleConnection:
-                    self.stale_resends += 1
-                    return await self._post(self._fresh(), out, watch_reuse=False)
-        except TimeoutError:  # a transport's own (an injected one)
-            pass
-        raise RequestTimeout(f"no complete answer within {self.timeout:g}s")
+            return await self._post(self._transport, out, watch_reuse=True)
+        except _StaleConnection:
+            self.stale_resends += 1
+            return await self._post(self._fresh(), out, watch_reuse=False)
 
     def _outgoing(
         self, request: CompletionRequest, stream: bool | None, watch: Watch | None
@@ -225,8 +232,8 @@ class OpenAICompatBackend:
             resp = await self._send(transport, "POST", out.url, out.content, trace)
             answered = True
             try:
-                if resp.status_code >= 400:
-                    content = await resp.aread()
+                if resp.status_code >= 300:  # a redirect too: not followed (error_for_status)
+                    content = await _readable_body(resp)
                     raise error_for_status(resp.status_code, resp.headers, content, str(out.url))
                 receiving = True
                 if out.watch is not None:
@@ -246,9 +253,12 @@ class OpenAICompatBackend:
             raise ConnectionFailed(self._describe(exc, str(out.url))) from None
         except httpx.TransportError as exc:
             raise ConnectionFailed(self._describe(exc, str(out.url))) from None
+        except httpx.DecodingError as exc:  # not a TransportError: a body, not a connection
+            problem = f"the answer does not decode as its content-encoding says: {exc}"
+            raise StreamCut(problem) from None
 
     async def _read_answer(self, resp: httpx.Response, out: _Outgoing) -> Completion:
-        if "text/event-stream" in resp.headers.get("content-type", ""):
+        if "text/event-stream" in resp.headers.get("content-type", "").lower():
             return await self._read_stream(resp, out)
         return read_json(await _whole_body(resp), out.endpoint, out.started)
 
@@ -263,8 +273,8 @@ class OpenAICompatBackend:
                 if isinstance(resp.stream, AiohttpBody) and resp.stream.ended():
                     await body.aclose()  # nothing left to wait for; not left to the loop
                 else:
-                    spent = time.perf_counter() - out.started
-                    await _body_end(body, min(DONE_GRACE_S, (self.timeout - spent) / 2))
+                    left = anyio.current_effective_deadline() - anyio.current_time()
+                    await _body_end(body, min(DONE_GRACE_S, left / 2))
                 return completion
         answer.add(decoder.close())
         if not answer.events:
@@ -378,18 +388,27 @@ async def _whole_body(resp: httpx.Response) -> bytes:
     return b"".join([part async for part in _body(resp)])
 
 
+async def _readable_body(resp: httpx.Response) -> bytes:
+    """The whole body, or nothing where it does not decode as its content-encoding says: read
+    for an error's message (its status says enough) or a model list (then there is none)."""
+    try:
+        return await resp.aread()
+    except httpx.DecodingError:
+        return b""
+
+
 async def _body_end(body: AsyncIterator[bytes], grace: float) -> None:
     """After `[DONE]` the answer is whole. Servers end the body right after it, and a body read
     to its end leaves the connection for the next request, so read on, but only briefly, and
     never at the answer's cost: a server that holds the connection open past `[DONE]`, or
     drops it there, loses that connection. `grace` keeps clear of the request's own deadline
-    (the caller knows it, which is cheaper than asking anyio for it on every answer)."""
+    (asked for only here: most bodies have ended with `[DONE]`)."""
     with anyio.CancelScope(deadline=anyio.current_time() + grace):
         try:
             async for _ in body:
                 pass
-        except httpx.TransportError:
-            pass  # the connection ended badly after the answer: it is closed, nothing else
+        except (httpx.TransportError, httpx.DecodingError):
+            pass  # the body ended badly after the answer (a cut, a bad gzip trailer): not it
 
 
 def _unanswered(exc: httpx.TransportError) -> bool:

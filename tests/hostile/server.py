@@ -12,7 +12,9 @@ Other switches make it drop every request on every connection unanswered (a serv
 broken, not racing), cut each answer after its head and first chunk, answer with bytes that
 are not HTTP at all, or send a body the test wrote (a stream that is not whole, bytes that are
 not UTF-8), then ending the body, holding the connection open without ending it, or dropping
-the connection.
+the connection. It can also wait before each answer, add header lines (a content-encoding
+its bytes do not have, a Location), name a stream's type otherwise, and send a response
+nobody asked for on a connection that sits idle after an answer.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ class Behaviour:
     body: bytes | None = None  # this body (SSE when streamed, else JSON) instead of an answer
     status: int = 200  # ... with this status (to every request, GET /models included)
     after: str = "end"  # after a streamed body: "end" it, "hold" the connection open, "drop" it
+    delay: float = 0.0  # seconds before each answer
+    head: bytes = b""  # header lines added to every answer's head (each ending in CRLF)
+    stream_type: bytes = b"text/event-stream"  # a stream's content-type
+    # after each answer, with the connection idle: "again" (the same answer once more, a
+    # duplicate nobody asked for) or "408" (a 408 Request Timeout, the connection left open)
+    unasked: str | None = None
 
 
 @dataclass
@@ -113,6 +121,7 @@ class HostileServer:
             self.counts.dropped += 1
             _close(writer, reset=how.reset)
             return False
+        await asyncio.sleep(how.delay)
         if how.cut or how.garbage:
             self.counts.cut += 1
             writer.write(NOT_HTTP if how.garbage else _cut_answer(request))
@@ -125,10 +134,21 @@ class HostileServer:
             if how.after == "hold":
                 await reader.read()  # until the client closes its end
             return False
-        writer.write(_answer(request))
+        answer = self._head(_answer(request))
+        writer.write(answer)
         await writer.drain()
         self.counts.answered += 1
+        if how.unasked is not None:
+            await asyncio.sleep(0.05)  # the client has the answer: the connection is idle
+            writer.write(answer if how.unasked == "again" else _json_head(2, 408) + b"{}")
+            await writer.drain()
         return True
+
+    def _head(self, response: bytes) -> bytes:
+        """The response with the behaviour's header lines and stream type in its head."""
+        status, _, rest = response.partition(b"\r\n")
+        rest = rest.replace(b"text/event-stream", self.behaviour.stream_type, 1)
+        return status + b"\r\n" + self.behaviour.head + rest
 
     async def _scripted(
         self,
@@ -142,9 +162,10 @@ class HostileServer:
         as a sized JSON body."""
         if request.get("stream") and status == 200:
             end = b"0\r\n\r\n" if self.behaviour.after == "end" else b""
-            writer.write(_stream_head() + _chunk(body) + end)
+            chunk = _chunk(body) if body else b""  # an empty chunk would end the body
+            writer.write(self._head(_stream_head()) + chunk + end)
         else:
-            writer.write(_json_head(len(body), status) + body)
+            writer.write(self._head(_json_head(len(body), status)) + body)
         await writer.drain()
 
 

@@ -104,6 +104,14 @@ def test_an_event_of_two_choices_makes_no_frame() -> None:
     assert same_either_way([body(*datas)])[0] == "abcbeb"
 
 
+def test_a_later_answers_events_make_no_frame() -> None:
+    # Of `n` answers only the first is kept. Before: a frame taken from the second answer's
+    # event read its later events' texts into the first ("axxxb").
+    second = HEAD.replace(b'"index":0', b'"index":1')
+    datas = [HEAD + b"a" + TAIL, *(second + b"x" + TAIL for _ in range(4)), HEAD + b"b" + TAIL]
+    assert same_either_way([body(*datas, FINISH)])[0] == "ab"
+
+
 @pytest.mark.parametrize(
     "rest",
     [b'"finish_reason":"%s"}]', b'"finish_reason":null}],"usage":{"completion_tokens":%s}'],
