@@ -147,6 +147,7 @@ class Fleet:
         self._on_event = on_event or (lambda _name, **_fields: None)
         self._sent_to: dict[Hashable, Lane] = {}  # item -> the lane of its latest request
         self._waiters: deque[_Waiter] = deque()
+        self._woken = 0  # waiters woken that have not run yet
         self._affinity: OrderedDict[int, Lane] = OrderedDict()
         self._out_error: FatalError | None = None
         self._free: Counter[Hashable] = Counter()  # free tries per item, on failing endpoints
@@ -169,10 +170,16 @@ class Fleet:
         """A lane with a free slot, that slot taken for the request's `throttle.slot(...,
         taken=True)`: the group's lane when it has room, else the least loaded for its
         weight; waits while none has. Raises EndpointDown, or the error that took the last
-        lane out, when no lane is left to send to."""
+        lane out, when no lane is left to send to.
+
+        Waiters go first: a request that comes while others wait (or were woken and have not
+        run yet) waits behind them. Else the worker that freed a slot, going on to its next
+        item without a trip through the event loop, would take the slot back before the
+        waiter it woke could run: a retry waiting for a slot waited for the job to run dry."""
+        came = True
         while True:
             self.check()
-            lane = self._take(group)
+            lane = None if came and (self._waiters or self._woken) else self._take(group)
             if lane is not None:
                 lane.sent += 1
                 self._sent_to[key] = lane
@@ -182,12 +189,18 @@ class Fleet:
                     self._remember(group, lane)
                 return lane
             waiter = _Waiter(group)
-            self._waiters.append(waiter)
+            if came:
+                self._waiters.append(waiter)
+            else:  # woken and beaten to the slot: still first in turn
+                self._waiters.appendleft(waiter)
+            came = False
             try:
                 with anyio.move_on_after(self._until_due()):
                     await waiter.event.wait()
             finally:
-                if not waiter.event.is_set():
+                if waiter.event.is_set():
+                    self._woken -= 1
+                else:
                     self._waiters.remove(waiter)
 
     def _take(self, group: int | None) -> Lane | None:
@@ -228,11 +241,15 @@ class Fleet:
                 break
         else:
             waiter = self._waiters.popleft()
-        waiter.event.set()
+        self._wake(waiter)
 
     def _wake_all(self) -> None:
         while self._waiters:
-            self._waiters.popleft().event.set()
+            self._wake(self._waiters.popleft())
+
+    def _wake(self, waiter: _Waiter) -> None:
+        self._woken += 1  # until it runs: its turn is kept (see pick)
+        waiter.event.set()
 
     def _remember(self, group: int, lane: Lane) -> None:
         if self._affinity.get(group) is None or self._affinity[group].state != "up":

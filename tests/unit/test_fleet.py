@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
@@ -509,3 +510,22 @@ def test_auto_order_groups_prefixes_except_against_llama_cpp() -> None:
     assert not by_prefix(resolve({"backend": "vllm"}), routes("vllm", "llamacpp"))
     assert by_prefix(resolve({"backend": "llamacpp", "order": "prefix"}), routes("llamacpp"))
     assert not by_prefix(resolve({"backend": "vllm", "order": "input"}), routes("vllm"))
+
+
+@pytest.mark.anyio
+async def test_items_waiting_for_a_slot_are_sent_in_their_turn(tmp_path: Path) -> None:
+    # Before: the worker that freed a slot went on to its next item without a trip through
+    # the event loop and took the slot back before the waiter it woke could run, so items
+    # whose workers waited for a slot were sent long after their turn (40 places here).
+    class Paced(Hosts):  # each answer takes a moment: workers wait for slots meanwhile
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if request.method == "POST":
+                await anyio.sleep(0.002)
+            return await super().handle_async_request(request)
+
+    hosts = Paced({"a.test": SimConfig(), "b.test": SimConfig()})
+    await run(tmp_path, hosts, n=200, endpoints=endpoints("a", "b"), concurrency=2, order="input")
+    sent = [int(prompt.split()[-1]) for _, prompt in hosts.sent]
+    assert sorted(sent) == list(range(200))
+    late = max(at - line for at, line in enumerate(sent))
+    assert late <= 8  # a request waits behind at most the others then in flight or waiting
