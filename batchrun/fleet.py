@@ -283,10 +283,10 @@ class Fleet:
             lane.probe_wait = min(PROBE_MOST_S, lane.probe_wait * 2)
             lane.probe_at = self.clock() + lane.probe_wait
 
-    def success(self, key: Hashable = None) -> None:
+    def success(self, key: Hashable = None, sent: float | None = None) -> None:
         lane = self.only or self._sent_to.pop(key)
         self._free.pop(key, None)
-        lane.outage.success(key)
+        lane.outage.success(key, sent)
         lane.answered += 1
 
     def failure(self, exc: TransientError, key: Hashable = None) -> bool:

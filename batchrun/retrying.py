@@ -38,9 +38,11 @@ class OutageWatch:
     """Tells an outage (nobody gets answers) from poison items (a few prompts always fail).
 
     An outage: failures of the outage kinds on at least two items, none of them a suspect, with
-    no success since. A suspect is an item that was failing when another request succeeded:
-    the endpoint worked, so that item's failures are its own, and they always count against
-    its attempts. `grace` of 0 turns outage handling off: every failure counts.
+    no success since. A suspect is an item that had failed when another request, sent after
+    that failure, succeeded: the endpoint worked, so that item's failures are its own, and they
+    always count against its attempts. An answer to a request sent before a failure proves
+    nothing of the endpoint since (an outage that begins while answers are on their way).
+    `grace` of 0 turns outage handling off: every failure counts.
     """
 
     MIN_ITEMS = 2
@@ -50,14 +52,21 @@ class OutageWatch:
         self.clock = clock
         self.down_since: float | None = None
         self.last_error = ""
-        self._failing: set[Hashable] = set()
+        self._failing: dict[Hashable, float] = {}  # item -> when it last failed
         self._suspects: set[Hashable] = set()
 
-    def success(self, key: Hashable = None) -> None:
-        self._suspects.update(self._failing)
+    def success(self, key: Hashable = None, sent: float | None = None) -> None:
+        """Item `key` was answered, to a request sent at `sent` (the clock's time; now if not
+        said). Items that had failed before it went out are suspects now; the rest still fail."""
+        since = self.clock() if sent is None else sent
+        before = [item for item, at in self._failing.items() if at <= since]
+        self._suspects.update(before)
+        for item in before:
+            del self._failing[item]
         self._suspects.discard(key)
-        self._failing.clear()
-        self.down_since = None
+        self._failing.pop(key, None)
+        if not self._failing:
+            self.down_since = None
 
     def failure(self, exc: TransientError, key: Hashable = None) -> bool:
         """Note a failed request for item `key`. True: it failed in an outage, so it should
@@ -67,9 +76,10 @@ class OutageWatch:
         self.last_error = str(exc)
         if key in self._suspects:
             return False
-        self._failing.add(key)
+        now = self.clock()
+        self._failing[key] = now
         if self.down_since is None:
-            self.down_since = self.clock()
+            self.down_since = now
         return self.down
 
     def suspect(self, key: Hashable) -> bool:
@@ -113,7 +123,7 @@ class Outages(Protocol):
 
     def check(self) -> None: ...
 
-    def success(self, key: Hashable = None) -> None: ...
+    def success(self, key: Hashable = None, sent: float | None = None) -> None: ...
 
     def failure(self, exc: TransientError, key: Hashable = None) -> bool: ...
 
@@ -156,6 +166,7 @@ class RetryPolicy:
         call than the rest of the bookkeeping. Its failure hands over to the loop, which waits
         first, as it would have after the same failure."""
         self.outage.check()
+        sent = self.outage.clock()
         try:
             result = await fn()
         except TransientError as exc:
@@ -164,7 +175,7 @@ class RetryPolicy:
                 raise
             await self.sleep(self._first_wait(exc, key))
             return await self._retrying(fn, key, counted)
-        self.outage.success(key)
+        self.outage.success(key, sent)
         return result
 
     def _first_wait(self, exc: TransientError, key: Hashable) -> float:
@@ -192,13 +203,14 @@ class RetryPolicy:
                 first = False
             with attempt:
                 self.outage.check()
+                sent = self.outage.clock()
                 try:
                     result = await fn()
                 except TransientError as exc:
                     if not self.outage.failure(exc, key):
                         counted += 1
                     raise
-                self.outage.success(key)
+                self.outage.success(key, sent)
                 return result
         raise AssertionError("unreachable: tenacity either returns or reraises")
 

@@ -431,6 +431,25 @@ async def test_poison_items_are_failed_even_when_nothing_else_is_left() -> None:
 
 
 @pytest.mark.anyio
+async def test_an_answer_to_a_request_sent_before_an_outage_makes_no_suspects() -> None:
+    # Before: the answer to a request already at the server when the outage began made every
+    # item failing by then a suspect, so their failures counted: a clean outage failed items.
+    policy, watch, clock = make_policy(max_attempts=2, grace=60.0)
+    down = Overloaded("HTTP 500", status=500)
+
+    async def at_the_server() -> str:
+        clock.now += 1.0  # the outage begins while this request is being answered
+        watch.failure(down, key="a")
+        watch.failure(down, key="b")
+        return "ok"
+
+    assert await policy.call(at_the_server, key="early") == "ok"
+    assert watch.down and not watch.suspect("a") and not watch.suspect("b")
+    watch.success(key="later")  # sent after their failures: the endpoint works, theirs are own
+    assert watch.suspect("a") and watch.suspect("b") and not watch.down
+
+
+@pytest.mark.anyio
 async def test_a_suspect_that_succeeds_is_cleared() -> None:
     policy, watch, _clock = make_policy(max_attempts=3, grace=60.0)
     watch.failure(ConnectionFailed("x"), key="a")
