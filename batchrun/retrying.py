@@ -130,6 +130,23 @@ class Outages(Protocol):
     def resend_now(self, key: Hashable) -> bool: ...
 
 
+def until_set(event: anyio.Event, sleep: Sleep) -> Sleep:
+    """`sleep`, ending early once `event` is set (a run's stop: a retry waits for no backoff)."""
+
+    async def sleep_until_set(seconds: float) -> None:
+        async with anyio.create_task_group() as waits:
+
+            async def stop() -> None:
+                await event.wait()
+                waits.cancel_scope.cancel()
+
+            waits.start_soon(stop)
+            await sleep(seconds)
+            waits.cancel_scope.cancel()
+
+    return sleep_until_set
+
+
 class RetryPolicy:
     def __init__(
         self,

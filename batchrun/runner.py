@@ -36,7 +36,7 @@ from batchrun.fleet import Fleet, Lane, Route
 from batchrun.ledger import ClaimedItem, ItemResult, Ledger
 from batchrun.ledger_calls import LedgerCalls
 from batchrun.progress import JobLog, Progress
-from batchrun.retrying import OutageWatch, RetryPolicy
+from batchrun.retrying import OutageWatch, RetryPolicy, until_set
 from batchrun.reuse import answer_spec
 from batchrun.routes import by_prefix
 from batchrun.run_state import RunnerSettings, RunStats
@@ -78,7 +78,6 @@ class Runner:
             clock=self.settings.clock,
             on_event=self._endpoint_event,
         )
-        self.policy = RetryPolicy(retries.max_attempts, self.fleet, sleep=self.settings.sleep)
         self._db = LedgerCalls(
             self.settings,
             outage_timeout=retries.outage_timeout,
@@ -100,6 +99,9 @@ class Runner:
             by_prefix=by_prefix(spec, routes),
         )
         self._stopping = self.feeder.stopping
+        # A retry's wait ends at a stop; the retry then is not sent (the sender's check).
+        sleep = until_set(self._stopping, self.settings.sleep)
+        self.policy = RetryPolicy(retries.max_attempts, self.fleet, sleep=sleep)
         self._workers_scope: anyio.CancelScope | None = None
         self.rules = rules or OutputRules()
         self.sender = Sender(
@@ -113,6 +115,7 @@ class Runner:
             on_fatal=self._abort,
         )
         self.sender.warm_groups = self.feeder.by_prefix
+        self.sender.stopping = self._stopping
 
     def _lane(self, route: Route) -> Lane:
         """An endpoint's own throttle (adaptive limit, rpm/tpm) and outage watch."""

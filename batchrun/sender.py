@@ -52,27 +52,33 @@ class Sender:
         self._fatal = on_fatal
         self._warming: dict[int, anyio.Event] = {}  # line -> set once its prefill is done
         self.warm_groups = True  # a group's later lines wait for its first (prefix order)
+        # The run's stop: a request not yet sent by then is not sent (the runner's own event).
+        self.stopping = anyio.Event()
 
     async def process(self, item: ClaimedItem) -> ItemResult | None:
-        """The item's final result; None when a fatal error stopped the job meanwhile.
+        """The item's final result; None when a fatal error or a stop ended the run meanwhile
+        (the item stays leased; the run's end puts it back to pending).
 
         A prefix group's later lines wait until its first line's request has its first token
         (or has ended), if that request is under way here: the engine then computes the
         shared prefix once and the rest find it cached, instead of a whole wave of requests
         each computing it cold at once (llama-server's slots do not share their caches)."""
-        if not self.warm_groups:
-            return await self._process(item, None)
-        if item.group is not None and item.group != item.line:
-            first = self._warming.get(item.group)
-            if first is not None:
-                await first.wait()
-            return await self._process(item, None)
-        warm = self._warming[item.line] = anyio.Event()  # maybe a group's first line
         try:
-            return await self._process(item, warm)
-        finally:
-            warm.set()
-            del self._warming[item.line]
+            if not self.warm_groups:
+                return await self._process(item, None)
+            if item.group is not None and item.group != item.line:
+                first = self._warming.get(item.group)
+                if first is not None:
+                    await first.wait()
+                return await self._process(item, None)
+            warm = self._warming[item.line] = anyio.Event()  # maybe a group's first line
+            try:
+                return await self._process(item, warm)
+            finally:
+                warm.set()
+                del self._warming[item.line]
+        except _Stopped:
+            return None
 
     async def _process(self, item: ClaimedItem, warm: anyio.Event | None) -> ItemResult | None:
         body = {**self.defaults, **item.body}
@@ -119,6 +125,8 @@ class Sender:
             prompt, most = estimate_split(request.body)
             taken = lane is not fleet.only
             async with lane.throttle.slot(prompt + most, prompt_tokens=prompt, taken=taken) as slot:
+                if self.stopping.is_set():  # it waited for its slot, or to retry, past a stop
+                    raise _Stopped
                 slot.warm = warm  # set at its first token: its group's other lines may go
                 # Counted when sent (every request sent gets its attempt line); a retry is the
                 # same request again (repairs are new requests, not retries).
@@ -252,3 +260,8 @@ def _completion_of(previous: dict[str, Any]) -> Completion:
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 1)
+
+
+class _Stopped(Exception):
+    """A request that waited past the run's stop (for a slot, or to retry): not sent. Not a
+    RequestError, so no attempt is counted and no retry follows."""

@@ -200,8 +200,10 @@ class OpenAICompatBackend:
         inside the same attempt, so it is neither a retry nor a sign of overload. Everything
         else is the server's failure, raised as before: a new connection closed unanswered
         (the re-send's included), a refused one, an answer cut or garbled after its first
-        bytes. Go's net/http re-sends on the same evidence (a reused connection, nothing read
-        back); a completion has no side effect that a second send would repeat.
+        bytes. Go's net/http re-sends a reused connection's failed request likewise, but a POST
+        only if none of it was written or it carries an idempotency key: a completion has no
+        side effect that a second send would repeat, beyond its cost when a server that took
+        it closed the connection without a word (then one attempt sends it twice).
         """
         out = self._outgoing(request, stream, watch)
         try:

@@ -246,6 +246,40 @@ async def test_stop_request_commits_finished_work_and_releases_the_rest(tmp_path
 
 
 @pytest.mark.anyio
+async def test_a_stop_sends_nothing_that_waited_for_a_slot_or_a_retry(tmp_path: Path) -> None:
+    # Before: a worker waiting for the one slot sent its item once the request in flight at
+    # the stop had ended, and the item answered 503 was sent again after its Retry-After.
+    home = Home.at(tmp_path, None)
+    ledger = Ledger(home.ledger_url)
+    write_prompts(tmp_path / "in.jsonl", 40)
+    spec = dataclasses.replace(resolve({"backend": "sim", "concurrency": 1}), model="sim-1")
+    jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
+    runner_box: list[Runner] = []
+
+    def stop_then_busy(_request: httpx.Request, _call: int) -> httpx.Response:
+        runner_box[0].request_stop()
+        return httpx.Response(503, headers={"retry-after": "5"}, json={"error": "busy"})
+
+    class Slow(ScriptedTransport):  # meanwhile the other workers wait for the slot
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            await anyio.sleep(0.1)
+            return await super().handle_async_request(request)
+
+    transport = Slow(stop_then_busy)
+    backend = OpenAICompatBackend(spec.base_url, transport=transport)
+    log = JobLog(home.log_path("j"), "j")
+    settings = RunnerSettings(drain_timeout=30.0)
+    runner = Runner(ledger, [Route("sim", spec, backend)], "j", spec, log=log, settings=settings)
+    runner_box.append(runner)
+    stats = await runner.run()
+    log.close()
+    await backend.aclose()
+    assert stats.interrupted
+    assert sum(transport.calls.values()) == 1  # the request in flight at the stop, alone
+    assert ledger.counts("j")["pending"] == 40  # nothing failed, nothing lost
+
+
+@pytest.mark.anyio
 async def test_one_poison_item_behind_a_504_fails_and_the_rest_complete(tmp_path: Path) -> None:
     def poison(request: httpx.Request, _call: int) -> httpx.Response | None:
         if b"prompt number 3" in request.content:
