@@ -52,21 +52,24 @@ class OutageWatch:
         self.clock = clock
         self.down_since: float | None = None
         self.last_error = ""
-        self._failing: dict[Hashable, float] = {}  # item -> when it last failed
+        self._failing: set[Hashable] = set()  # items failing since the last answer
+        self._failed: dict[Hashable, float] = {}  # item -> its first failure, until judged
         self._suspects: set[Hashable] = set()
 
     def success(self, key: Hashable = None, sent: float | None = None) -> None:
         """Item `key` was answered, to a request sent at `sent` (the clock's time; now if not
-        said). Items that had failed before it went out are suspects now; the rest still fail."""
+        said): the endpoint is not down for everyone. Items that had failed before that request
+        went out are suspects (it took new work after their failure); one that failed only
+        since may have met an outage that began while this answer was on its way."""
         since = self.clock() if sent is None else sent
-        before = [item for item, at in self._failing.items() if at <= since]
-        self._suspects.update(before)
-        for item in before:
-            del self._failing[item]
+        proven = [item for item, at in self._failed.items() if at <= since]
+        self._suspects.update(proven)
+        for item in proven:
+            del self._failed[item]
         self._suspects.discard(key)
-        self._failing.pop(key, None)
-        if not self._failing:
-            self.down_since = None
+        self._failed.pop(key, None)
+        self._failing.clear()
+        self.down_since = None
 
     def failure(self, exc: TransientError, key: Hashable = None) -> bool:
         """Note a failed request for item `key`. True: it failed in an outage, so it should
@@ -77,7 +80,8 @@ class OutageWatch:
         if key in self._suspects:
             return False
         now = self.clock()
-        self._failing[key] = now
+        self._failed.setdefault(key, now)
+        self._failing.add(key)
         if self.down_since is None:
             self.down_since = now
         return self.down
