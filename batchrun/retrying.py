@@ -40,9 +40,9 @@ class OutageWatch:
     An outage: failures of the outage kinds on at least two items, none of them a suspect, with
     no success since. A suspect is an item that had failed when another request, sent after
     that failure, succeeded: the endpoint worked, so that item's failures are its own, and they
-    always count against its attempts. An answer to a request sent before a failure proves
-    nothing of the endpoint since (an outage that begins while answers are on their way).
-    `grace` of 0 turns outage handling off: every failure counts.
+    always count against its attempts. Any answer ends an outage, but one to a request sent
+    before an item's failure proves nothing of that item (an outage may have begun while the
+    answer was on its way). `grace` of 0 turns outage handling off: every failure counts.
     """
 
     MIN_ITEMS = 2
