@@ -451,21 +451,35 @@ async def test_an_answer_to_a_request_sent_before_an_outage_makes_no_suspects() 
     assert watch.suspect("a") and watch.suspect("b") and not watch.down
 
 
+def fail_in_step(watch: OutageWatch, clock: FakeTime, keys: tuple[str, ...], rounds: int) -> None:
+    """Each round a request goes out, `keys` fail a moment later, then it is answered."""
+    down = Overloaded("HTTP 500", status=500)
+    for _ in range(rounds):
+        sent = clock.now
+        clock.now += 0.1
+        for key in keys:
+            watch.failure(down, key=key)
+        clock.now += 0.9
+        watch.success(key="answered", sent=sent)
+        watch.check()  # the endpoint answers: never EndpointDown
+
+
 def test_answers_keep_an_endpoint_up_while_items_fail_faster_than_answers_come() -> None:
     # A review of the fix above: items failing again before an answer to a request sent
     # after their failure came kept the outage's clock running, so a working endpoint was
     # declared down (EndpointDown) once the grace had passed.
     clock = FakeTime()
-    watch = OutageWatch(2.0, clock=clock)
-    down = Overloaded("HTTP 500", status=500)
-    for _ in range(10):
-        sent = clock.now
-        clock.now += 0.5
-        watch.failure(down, key="a")
-        watch.failure(down, key="b")
-        clock.now += 0.5
-        watch.success(key="slow", sent=sent)  # answered; sent before these failures
-        watch.check()  # the endpoint answers: never EndpointDown
+    fail_in_step(OutageWatch(2.0, clock=clock), clock, ("a", "b"), rounds=10)
+
+
+def test_an_item_that_fails_in_step_with_the_answers_is_found_out() -> None:
+    # Each answer was sent just before the item's latest failure; its first failure is kept
+    # across answers, so the next one (sent after it) still proves the failures its own.
+    # Before: two such items retried for free until the job ran dry, then stopped it.
+    clock = FakeTime()
+    watch = OutageWatch(60.0, clock=clock)
+    fail_in_step(watch, clock, ("p",), rounds=2)
+    assert watch.suspect("p")
 
 
 @pytest.mark.anyio
@@ -487,19 +501,3 @@ async def test_zero_outage_timeout_turns_outage_handling_off() -> None:
     with pytest.raises(ConnectionFailed):
         await policy.call(fn, key="mine")
     assert fn.calls == 2 and not watch.down
-
-
-def test_an_item_that_fails_in_step_with_the_answers_is_found_out() -> None:
-    # Each answer was sent just before the item's latest failure; its first failure is kept
-    # across answers, so the next one (sent after it) still proves the failures its own.
-    # Before: two such items retried for free until the job ran dry, then stopped it.
-    clock = FakeTime()
-    watch = OutageWatch(60.0, clock=clock)
-    poison = Overloaded("HTTP 500", status=500)
-    for _ in range(2):
-        sent = clock.now
-        clock.now += 0.1
-        watch.failure(poison, key="p")
-        clock.now += 0.9
-        watch.success(key="other", sent=sent)
-    assert watch.suspect("p")
