@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Awaitable, Callable
+from functools import partial
 
 import anyio
 
 from batchrun.backends.base import Transport
 from batchrun.backends.batch_api import BatchAPI
 from batchrun.config import RunSpec
-from batchrun.errors import RequestError, single_error
-from batchrun.hosted import FINISHED, HostedRun
+from batchrun.errors import NotFound, RequestError, single_error
+from batchrun.hosted import FINISHED, HostedRun, T, patiently
 from batchrun.ledger import Ledger
 from batchrun.progress import JobLog
 from batchrun.run_state import RunStats
@@ -51,6 +53,7 @@ async def run_batches(
     h = run.stats
     stats.recorded, stats.batches = h.recorded, h.batches
     stats.batch_tokens = h.prompt_tokens + h.completion_tokens
+    stats.followups = ledger.chunks.followups(name)
     stats.elapsed = time.monotonic() - stats.started
     return stats
 
@@ -76,11 +79,17 @@ async def cancel_batches(
     ledger: Ledger, name: str, spec: RunSpec, *, transport: Transport | None = None
 ) -> list[str]:
     """Ask the provider to cancel the job's running batches (a chunk without a recorded id
-    is looked for by its metadata); their ids. What they answered before stopping is
-    collected by the next run (`resume`), the rest goes back to pending. A batch that cannot
-    be cancelled (gone, finished meanwhile) is noted in the log and passed over."""
+    is looked for by its metadata); the ids of those that no longer run. What they answered
+    before stopping is collected by the next run (`resume`), the rest goes back to pending.
+    A batch the provider does not know (404) is taken as gone, since the user says so by
+    cancelling it: its lines go back to pending at once. Transient errors are waited out
+    (--outage-timeout); any other refusal stops the command with the provider's reason."""
     api = BatchAPI(spec, transport)
     cancelled = []
+
+    async def patient(call: Callable[[], Awaitable[T]]) -> T:
+        return await patiently(call, within=spec.outage_timeout)
+
     try:
         for chunk in ledger.chunks.listed(name, open_only=True):
             batch_id = chunk.batch_id
@@ -90,13 +99,15 @@ async def cancel_batches(
                     "batchrun_chunk": str(chunk.chunk),
                     "batchrun_key": chunk.key,
                 }
-                found = await api.find(meta, chunk.created_at)
+                found = await patient(partial(api.find, meta, chunk.created_at))
                 batch_id = found["id"] if found else None
             if batch_id is None or chunk.state in FINISHED:
                 continue
             try:
-                batch = await api.cancel(batch_id)
-            except RequestError:
+                batch = await patient(partial(api.cancel, batch_id))
+            except NotFound:
+                ledger.chunks.close(name, chunk.chunk)
+                cancelled.append(batch_id)
                 continue
             ledger.chunks.note(
                 name, chunk.chunk, batch_id=batch_id, state=batch.get("status", "cancelling")

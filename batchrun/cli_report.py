@@ -59,6 +59,11 @@ def summary_line(report: JobReport) -> str:
         text += (
             f" | {stats.batches} batch(es) created, {stats.batch_tokens:,} tokens at batch rates"
         )
+    if stats.followups:
+        text += (
+            f" | {stats.followups} batch answers wait for a follow-up sent online: "
+            f"`batchrun resume {name} --mode online`"
+        )
     if len(stats.endpoints) > 1:
         text += " | endpoints: " + ", ".join(_endpoint_use(e) for e in stats.endpoints)
     if stats.repairs:

@@ -30,7 +30,7 @@ import anyio
 import orjson
 
 from batchrun.backends.answers import read_json
-from batchrun.backends.batch_api import BatchAPI
+from batchrun.backends.batch_api import BatchAPI, Unreadable
 from batchrun.config import RunSpec
 from batchrun.errors import (
     FatalError,
@@ -46,6 +46,8 @@ from batchrun.structured import OutputRules
 
 URLS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 FINISHED = ("completed", "expired", "cancelled", "failed")
+RUNNING = ("validating", "in_progress", "finalizing", "cancelling")
+UNREADABLE = "unreadable"  # a chunk whose create's answer could not be read
 CRASH_POINTS = ("uploaded", "created", "downloading")  # BATCHRUN_CRASH_AT, for the tests
 LEASE_S = 900.0  # how long a run may take to upload and create a chunk's batch before another does
 T = TypeVar("T")
@@ -84,12 +86,14 @@ class HostedRun:
 
     async def run(self, *, send: bool) -> HostedStats:
         """Reconcile and submit open chunks; with `send`, make batches of what is pending
-        and wait for them all; without (a `--mode online` run), collect what has finished."""
+        and wait for them all; without (a `--mode online` run), collect what has finished,
+        and give back to pending the lines of a chunk that has no batch (killed before its
+        create): an online run makes none."""
         for chunk in self.store.listed(self.name, open_only=True):
             if chunk.batch_id is not None:
                 continue
             if self.store.take(self.name, chunk.chunk, owner=self.owner, lease=LEASE_S):
-                items = self.store.lines(self.name, chunk.chunk)
+                items = self.store.lines(self.name, chunk.chunk) if send else []
                 await self._submit(chunk, items, [self._line(item) for item in items])
             # else another live run is submitting it now
         while send and await self._next_chunk():
@@ -105,11 +109,11 @@ class HostedRun:
         picked: dict[int, tuple[ClaimedItem, bytes]] = {}  # line -> the item, its JSONL line
         size = 0
         for item in pending:
+            if item.endpoint != pending[0].endpoint:
+                continue  # in a chunk of its own kind, next
             encoded = self._line(item)
             size += len(encoded)
-            if item.endpoint != pending[0].endpoint or (
-                picked and size > self.spec.batch_max_bytes
-            ):
+            if picked and size > self.spec.batch_max_bytes:
                 break
             picked[item.line] = (item, encoded)
         number, lines = self.store.start(self.name, list(picked), owner=self.owner, lease=LEASE_S)
@@ -130,57 +134,80 @@ class HostedRun:
             None if fresh else await self._patiently(lambda: self.api.find(meta, chunk.created_at))
         )
         if found is not None:
-            self.store.note(self.name, number, batch_id=found["id"], state=found["status"])
-            self.log.event("batch_adopted", chunk=number, batch=found["id"])
+            if self.store.created(self.name, number, found["id"], found["status"]):
+                self.log.event("batch_adopted", chunk=number, batch=found["id"])
             return
         if not items:
             self.store.close(self.name, number)
             return
-        content = b"".join(encoded)
+        if chunk.state == UNREADABLE:  # its create may have made a batch that was not found
+            raise FatalError(
+                f"chunk {number}'s create got an answer batchrun cannot read, and no batch with "
+                "its metadata is listed: look at the provider before paying again; `resume "
+                f"{self.name} --mode online` sends its lines as ordinary requests"
+            )
+        content, uploaded = b"".join(encoded), False
         try:
             file_id = await self._patiently(
                 lambda: self.api.upload(f"{self.name}-{number}.jsonl", content)
             )
             self.store.note(self.name, number, input_file=file_id, state="uploaded")
+            uploaded = True
             _crash_point("uploaded")
-            batch = await self._create(file_id, URLS[items[0].endpoint], meta, chunk.created_at)
-        except (PermanentError, FatalError) as exc:
-            back = self.store.close(self.name, number)
-            self.log.event("batch_refused", chunk=number, error=str(exc), back_to_pending=back)
+            batch = await self._create(file_id, URLS[items[0].endpoint], meta, chunk)
+        except Unreadable as exc:
+            if not uploaded:
+                raise self._refused(number, exc) from None
+            # The create's answer: a batch may exist, paid for. The lines stay in the chunk, and
+            # no run creates it again unless the provider lists a batch that names it.
+            self.store.note(self.name, number, state=UNREADABLE)
+            self.log.event("batch_unreadable", chunk=number, error=str(exc))
             raise
+        except (PermanentError, FatalError) as exc:
+            raise self._refused(number, exc) from None
+        if batch is None:  # another run took the chunk over meanwhile (this one's lease ran out)
+            self.log.event("batch_left", chunk=number, reason="another run holds it")
+            return
         _crash_point("created")
-        self.store.note(self.name, number, batch_id=batch["id"], state=batch["status"])
+        if not self.store.created(self.name, number, batch["id"], batch.get("status")):
+            # Another run recorded a batch for the chunk first: this one is a second, cancelled.
+            await self._patiently(lambda: self.api.cancel(batch["id"]))
+            self.log.event("batch_cancelled", chunk=number, batch=batch["id"], reason="second")
+            return
         self.stats.batches += 1
         self.log.event("batch_created", chunk=number, batch=batch["id"], lines=len(items))
 
-    async def _create(self, file_id: str, endpoint: str, meta: dict[str, str], since: float) -> Any:
+    def _refused(self, number: int, exc: RequestError) -> RequestError:
+        """The provider refused a chunk before it made a batch: its lines go back."""
+        back = self.store.close(self.name, number)
+        self.log.event("batch_refused", chunk=number, error=str(exc), back_to_pending=back)
+        return exc
+
+    async def _create(
+        self, file_id: str, endpoint: str, meta: dict[str, str], chunk: Chunk
+    ) -> Any | None:
         """Create the batch; after a transient error the create may have reached the
-        provider, so it is looked for before it is tried again."""
+        provider, so it is looked for before it is tried again. None when the chunk's lease
+        ran out meanwhile and another run holds it (an upload or an outage that took longer
+        than the lease): that run creates it. Each create renews the lease."""
         started, wait = time.monotonic(), 1.0
         while True:
+            if not self.store.take(self.name, chunk.chunk, owner=self.owner, lease=LEASE_S):
+                return None
             try:
                 return await self.api.create(file_id, endpoint, meta)
-            except TransientError:
+            except TransientError as exc:
                 if time.monotonic() - started > self.spec.outage_timeout:
                     raise
-            await anyio.sleep(wait)
+                pause = min(300.0, exc.retry_after or wait)
+            await anyio.sleep(pause)
             wait = min(30.0, wait * 2)
-            found = await self._patiently(lambda: self.api.find(meta, since))
+            found = await self._patiently(lambda: self.api.find(meta, chunk.created_at))
             if found is not None:
                 return found
 
     async def _patiently(self, call: Callable[[], Awaitable[T]]) -> T:
-        """`call`, tried again after transient errors (429, 5xx, a lost connection) for up
-        to --outage-timeout, waiting 1 s and then twice as long (or as Retry-After says)."""
-        started, wait = time.monotonic(), 1.0
-        while True:
-            try:
-                return await call()
-            except TransientError as exc:
-                if time.monotonic() - started > self.spec.outage_timeout:
-                    raise
-                await anyio.sleep(min(300.0, exc.retry_after or wait))
-                wait = min(30.0, wait * 2)
+        return await patiently(call, within=self.spec.outage_timeout)
 
     def _line(self, item: ClaimedItem) -> bytes:
         body = self.rules.plan(item.endpoint, {**self._defaults, **item.body})
@@ -210,27 +237,28 @@ class HostedRun:
         assert batch_id is not None
         try:
             batch = await self._patiently(lambda: self.api.get(batch_id))
-        except NotFound as exc:  # deleted at the provider: its lines go back to pending
-            back = self.store.close(self.name, chunk.chunk)
-            self.log.event(
-                "batch_lost",
-                chunk=chunk.chunk,
-                batch=batch_id,
-                error=str(exc),
-                back_to_pending=back,
-            )
-            return
-        counts = batch.get("request_counts")
-        if batch.get("status") != chunk.state or counts != chunk.counts:
-            self.store.note(self.name, chunk.chunk, state=str(batch.get("status")), counts=counts)
-        if batch.get("status") in FINISHED:
-            await self._collect(chunk, batch)
-        if batch.get("status") == "failed":  # refused at validation: said, not sent again blindly
-            errors = (batch.get("errors") or {}).get("data") or []
-            reasons = "; ".join(str(e.get("message", e)) for e in errors if isinstance(e, dict))
+        except NotFound as exc:
+            # Not "gone": OpenAI's batches cannot be deleted, so a 404 is far likelier a key of
+            # another project or a wrong URL, and the batch still being paid for. Its lines stay
+            # batched; `batchrun cancel` gives them back if the user knows it is gone.
             raise FatalError(
-                f"the provider failed batch {batch_id}: {reasons or 'no reason given'}"
+                f"batch {batch_id} (chunk {chunk.chunk}) is not found with this key at this "
+                f"URL ({exc}); its lines stay batched: if it is gone for good, `batchrun "
+                f"cancel {self.name}` puts them back to pending"
+            ) from None
+        status = batch.get("status")
+        if status not in FINISHED + RUNNING:
+            raise FatalError(
+                f"batch {batch_id} (chunk {chunk.chunk}) has a status batchrun does not know: "
+                f"{str(status)[:100]!r}; its lines stay batched, and `resume` looks again"
             )
+        counts = batch.get("request_counts")
+        if status != chunk.state or counts != chunk.counts:
+            self.store.note(self.name, chunk.chunk, state=status, counts=counts)
+        if status in FINISHED:
+            await self._collect(chunk, batch)
+        if status == "failed":  # refused at validation: said, not sent again blindly
+            raise FatalError(f"the provider failed batch {batch_id}: {_reasons(batch)}")
 
     async def _collect(self, chunk: Chunk, batch: dict[str, Any]) -> None:
         """Record a finished batch's answers; the rest of its lines go back to pending."""
@@ -239,7 +267,11 @@ class HostedRun:
         followups: dict[int, dict[str, Any]] = {}  # answers a repair or longer retry follows
         output = await self._file(batch.get("output_file_id"))
         _crash_point("downloading")  # downloaded, nothing recorded yet
+        seen: set[Any] = set()
         for record in output:
+            if record.get("custom_id") in seen:
+                continue  # a line answered twice: the first answer is the one recorded
+            seen.add(record.get("custom_id"))
             result = self._result(items, record, followups)
             if result is not None:
                 results.append(result)
@@ -318,6 +350,32 @@ class HostedRun:
             error=outcome.error,
             answered_by="batch",  # `status` counts what batches answered like an endpoint
         )
+
+
+async def patiently(call: Callable[[], Awaitable[T]], *, within: float) -> T:
+    """`call`, tried again after transient errors (429, 5xx, a lost connection) for up
+    to `within` seconds (--outage-timeout), waiting 1 s and then twice as long (or as
+    Retry-After says)."""
+    started, wait = time.monotonic(), 1.0
+    while True:
+        try:
+            return await call()
+        except TransientError as exc:
+            if time.monotonic() - started > within:
+                raise
+            await anyio.sleep(min(300.0, exc.retry_after or wait))
+            wait = min(30.0, wait * 2)
+
+
+def _reasons(batch: dict[str, Any]) -> str:
+    """Why the provider failed a batch: its `errors` (OpenAI's `{"data": [...]}`, or a list)."""
+    errors = batch.get("errors")
+    if isinstance(errors, dict):
+        errors = errors.get("data")
+    if not isinstance(errors, list):
+        errors = [errors] if errors else []
+    said = [str(e.get("message", e)) if isinstance(e, dict) else str(e) for e in errors]
+    return "; ".join(said)[:1000] or "no reason given"
 
 
 def _failure(record: dict[str, Any]) -> str:

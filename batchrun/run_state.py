@@ -38,6 +38,7 @@ class RunStats:
     endpoints: list[EndpointUse] = field(default_factory=list)  # what each endpoint did
     batches: int = 0  # hosted Batch API batches created (--mode batch)
     batch_tokens: int = 0  # tokens their answers used, billed at the batch rate
+    followups: int = 0  # batch answers left for a follow-up (a repair) that only online sends
 
 
 BUSY_PATIENCE_S = 600.0  # how long to wait for another process's ledger lock (a long ingest)

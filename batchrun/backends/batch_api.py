@@ -4,16 +4,23 @@ metadata, download its output, cancel it. Errors are the backend's own (errors_h
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 import httpx
+import orjson
 
 from batchrun.backends.base import Transport, auth_headers
 from batchrun.backends.build import checked_key, sim_transport
 from batchrun.backends.errors_http import error_for_status
 from batchrun.config import RunSpec, preset_for
+from batchrun.errors import FatalError
 
 LIST_PAGES = 50  # batches looked through (100 a page) for one whose metadata names a chunk
+
+
+class Unreadable(FatalError):
+    """A 2xx whose answer is not OpenAI's shape: whatever it did (a batch created?) is unknown."""
 
 
 class BatchAPI:
@@ -38,10 +45,28 @@ class BatchAPI:
             raise error_for_status(response.status_code, response.headers, response.content, url)
         return response
 
+    async def _object(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        """A call's answer: a JSON object with a string `id` (a file, a batch), else the
+        provider's shape is not OpenAI's and the job stops saying so: a guess could lose
+        track of a batch that is being paid for. A batch's `status` comes lower-cased."""
+        response = await self._call(method, path, **kwargs)
+        try:
+            data = orjson.loads(response.content)
+        except orjson.JSONDecodeError:
+            data = None
+        if not isinstance(data, dict) or not isinstance(data.get("id"), str):
+            raise Unreadable(
+                f"{method} {response.request.url} did not answer an object with an id, as "
+                f"OpenAI's Batch API does: {response.content[:200]!r}"
+            )
+        if isinstance(data.get("status"), str):
+            data["status"] = data["status"].lower()
+        return data
+
     async def upload(self, name: str, content: bytes) -> str:
         files = {"file": (name, content, "application/jsonl")}
-        response = await self._call("POST", "/files", data={"purpose": "batch"}, files=files)
-        return str(response.json()["id"])
+        file = await self._object("POST", "/files", data={"purpose": "batch"}, files=files)
+        return str(file["id"])
 
     async def create(self, file_id: str, endpoint: str, metadata: dict[str, str]) -> Any:
         body = {
@@ -50,13 +75,13 @@ class BatchAPI:
             "completion_window": "24h",
             "metadata": metadata,
         }
-        return (await self._call("POST", "/batches", json=body)).json()
+        return await self._object("POST", "/batches", json=body)
 
     async def get(self, batch_id: str) -> Any:
-        return (await self._call("GET", f"/batches/{batch_id}")).json()
+        return await self._object("GET", f"/batches/{batch_id}")
 
     async def cancel(self, batch_id: str) -> Any:
-        return (await self._call("POST", f"/batches/{batch_id}/cancel")).json()
+        return await self._object("POST", f"/batches/{batch_id}/cancel")
 
     async def content(self, file_id: str) -> bytes:
         return (await self._call("GET", f"/files/{file_id}/content")).content
@@ -68,16 +93,46 @@ class BatchAPI:
         after: str | None = None
         for _ in range(LIST_PAGES):
             params = {"limit": 100, **({"after": after} if after else {})}
-            page = (await self._call("GET", "/batches", params=params)).json()
-            for batch in page.get("data", []):
-                if metadata.items() <= (batch.get("metadata") or {}).items():
+            page, more = _listed(await self._call("GET", "/batches", params=params))
+            for batch in page:
+                found = batch.get("metadata")
+                named = isinstance(found, dict) and metadata.items() <= found.items()
+                if named and isinstance(batch.get("id"), str):
+                    batch["status"] = str(batch.get("status")).lower()
                     return batch
-                if (batch.get("created_at") or since) < since - 3600:
+                made = _epoch(batch.get("created_at"))
+                if made is not None and made < since - 3600:
                     return None
-            if not page.get("has_more") or not page.get("data"):
+            if not more or not page or not isinstance(page[-1].get("id"), str):
                 return None
-            after = page["data"][-1]["id"]
+            after = page[-1]["id"]
         return None
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def _listed(response: httpx.Response) -> tuple[list[dict[str, Any]], bool]:
+    """A list page's batches (objects only), and whether more pages follow."""
+    try:
+        page = orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        page = None
+    if not isinstance(page, dict):
+        raise FatalError(f"GET {response.request.url} did not answer a list of batches")
+    data = page.get("data")
+    batches = [b for b in data if isinstance(b, dict)] if isinstance(data, list) else []
+    return batches, bool(page.get("has_more"))
+
+
+def _epoch(value: Any) -> float | None:
+    """A `created_at` in epoch seconds (OpenAI's), or an ISO 8601 time (some copies'); None
+    when it is neither."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+    return None

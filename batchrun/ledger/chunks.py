@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from sqlalchemy import and_, bindparam, func, insert, select, update
+from sqlalchemy import and_, bindparam, func, insert, or_, select, update
 
 from batchrun.ledger.records import ClaimedItem
 from batchrun.ledger.rows import CLAIMED_COLUMNS, claimed_of
@@ -81,15 +81,24 @@ class ChunkStore:
         ]
 
     def pending(self, job: str, limit: int) -> list[ClaimedItem]:
-        """Up to `limit` pending items in line order (not those waiting for a duplicate)."""
+        """Up to `limit` pending items in line order for a batch: not those waiting for a
+        duplicate, nor those holding a batch answer that a follow-up (a repair, a longer
+        retry) must follow, which only an online run sends (a batch would ask the item's
+        own request again, and pay for it again, at every run)."""
         query = (
             select(*CLAIMED_COLUMNS)
-            .where(items.c.job == job, items.c.status == "pending", items.c.dup_of.is_(None))
+            .where(*_waiting(job), items.c.followup.is_(None))
             .order_by(items.c.line)
             .limit(limit)
         )
         with self._ledger._read("reading pending items") as conn:
             return [claimed_of(row) for row in conn.execute(query)]
+
+    def followups(self, job: str) -> int:
+        """How many pending items wait for a follow-up that an online run sends."""
+        query = select(func.count()).where(*_waiting(job), items.c.followup.is_not(None))
+        with self._ledger._read("counting follow-ups") as conn:
+            return int(conn.execute(query).scalar() or 0)
 
     def start(
         self, job: str, lines: list[int], *, owner: str, lease: float
@@ -149,6 +158,18 @@ class ChunkStore:
         with self._ledger._read("reading a batch's items") as conn:
             return [claimed_of(row) for row in conn.execute(query)]
 
+    def created(self, job: str, chunk: int, batch_id: str, state: Any) -> bool:
+        """Record the chunk's batch, unless another batch is recorded for it already (another
+        run, its lease over this one's, created one first): False then."""
+        with self._ledger._write("recording a batch") as conn:
+            done = conn.execute(
+                update(chunks)
+                .where(chunks.c.job == job, chunks.c.chunk == chunk)
+                .where(or_(chunks.c.batch_id.is_(None), chunks.c.batch_id == batch_id))
+                .values(batch_id=batch_id, state=str(state), updated_at=time.time())
+            ).rowcount
+        return bool(done)
+
     def note(self, job: str, chunk: int, **values: Any) -> None:
         """Record what is known of a chunk: input_file, batch_id, state, counts."""
         if "counts" in values:
@@ -188,3 +209,8 @@ class ChunkStore:
                 .values(state="collected", updated_at=now)
             )
         return int(back)
+
+
+def _waiting(job: str) -> tuple[Any, ...]:
+    """A job's pending items that are not waiting for a duplicate of theirs."""
+    return (items.c.job == job, items.c.status == "pending", items.c.dup_of.is_(None))
