@@ -17,7 +17,7 @@ from batchrun import batch_mode, reuse
 from batchrun.backends import Transport
 from batchrun.backends.build import sim_config
 from batchrun.budget import Budget
-from batchrun.config import RunSpec, preset_for, resolve
+from batchrun.config import ANSWER_FIELDS, RunSpec, preset_for, resolve
 from batchrun.errors import (
     FatalError,
     JobExists,
@@ -27,7 +27,7 @@ from batchrun.errors import (
     single_error,
 )
 from batchrun.inputs import InputReader, file_digest
-from batchrun.ledger import FINAL_STATUSES, IngestReport, Job, Ledger, left
+from batchrun.ledger import FINAL_STATUSES, IngestReport, Job, Joining, Ledger, left
 from batchrun.limiter import estimate_split
 from batchrun.outputs import FORMATS, write_results
 from batchrun.progress import JobLog, Progress, ProgressUpdate
@@ -182,7 +182,10 @@ def _reuse(ledger: Ledger, name: str, spec: RunSpec, log: JobLog) -> tuple[int, 
     if not spec.reuse:
         return 0, 0
     started = time.perf_counter()
-    found = ledger.prepare_reuse(name, reuse.answer_spec(spec), reuse_since=_since(spec))
+    joining = Joining(spec.to_json(), ANSWER_FIELDS, spec.lease)  # refused: nothing copied
+    found = ledger.prepare_reuse(
+        name, reuse.answer_spec(spec), reuse_since=_since(spec), joining=joining
+    )
     took = round(time.perf_counter() - started, 3)
     log.event(
         "reuse", duplicates=found[0], reused=found[1], max_age=spec.reuse_max_age, seconds=took

@@ -4,8 +4,10 @@ An earlier job's `done` answer is copied instead of sent when its request (the s
 as hashed at submit) and its answer options match. The options are digested here into one
 `answer_spec`: the model (resolved from the server when none was given), the endpoint kind,
 max_tokens, temperature, top_p, the schema (its content, not its path), and the truncation
-rule. Sampling with temperature > 0 and no seed is reused too: a nightly rewrite wants
-yesterday's answer, not a new draw (`--no-reuse` is the escape).
+rule; and for the in-process simulator its options, so that its synthetic answers never stand
+in for a real server's of the same model name. Sampling with temperature > 0 and no seed is
+reused too: a nightly rewrite wants yesterday's answer, not a new draw (`--no-reuse` is the
+escape).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ AGE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*")
 def answer_spec(spec: RunSpec) -> str:
     """The digest of what, beyond the request itself, decides an answer."""
     fields: dict[str, Any] = {key: getattr(spec, key) for key in ANSWER_FIELDS}
+    if spec.backend == "sim":  # synthetic answers are never a real server's, whatever the model
+        fields["simulated"] = spec.sim_options
     if spec.schema:
         try:
             fields["schema"] = hashlib.sha256(Path(spec.schema).read_bytes()).hexdigest()

@@ -5,7 +5,7 @@ from batchrun.ledger.engine import shown_url
 from batchrun.ledger.records import ClaimedItem, IngestReport, ItemResult, Job
 from batchrun.ledger.schema import FINAL_STATUSES, OPEN_STATUSES, STATUSES, left
 from batchrun.ledger.store import Ledger
-from batchrun.ledger.workers import Worker
+from batchrun.ledger.workers import Joining, Worker
 
 __all__ = [
     "FINAL_STATUSES",
@@ -16,6 +16,7 @@ __all__ = [
     "IngestReport",
     "ItemResult",
     "Job",
+    "Joining",
     "Ledger",
     "Worker",
     "left",

@@ -34,7 +34,7 @@ from batchrun.ledger.records import (
 )
 from batchrun.ledger.rows import STORED_COLUMNS, as_json, job_of, stored_of
 from batchrun.ledger.schema import STATUSES, items, jobs
-from batchrun.ledger.workers import Worker
+from batchrun.ledger.workers import Joining, Worker
 
 
 class Ledger:
@@ -303,13 +303,23 @@ class Ledger:
             return changed
 
     def prepare_reuse(
-        self, name: str, answer_spec: str, *, reuse_since: float | None, earlier: bool = True
+        self,
+        name: str,
+        answer_spec: str,
+        *,
+        reuse_since: float | None,
+        earlier: bool = True,
+        joining: Joining | None = None,
     ) -> tuple[int, int]:
         """Before a run: lines that repeat an earlier line's request wait for its answer, and
         (with `earlier`) pending items that an earlier job answered under the same options
-        (made at `reuse_since` or later) take that answer. (waiting, reused)."""
+        (made at `reuse_since` or later) take that answer. (waiting, reused). With `joining`,
+        first the check `join` makes: a run that other workers would refuse (it asks for
+        other answers) copies nothing into their job (OptionError, and nothing changes)."""
         with self._write("looking for answers to reuse") as conn:
             workers.lock_job(conn, name)
+            if joining is not None:
+                workers.check_same(conn, name, joining.spec, joining.same, ttl=joining.ttl)
             waiting = reuse.mark_duplicates(conn, name)
             if not earlier:
                 return waiting, 0

@@ -274,6 +274,16 @@ def live_count(conn: Connection, name: str, *, ttl: float) -> int:
     return int(conn.execute(query.where(fresh)).scalar() or 0)
 
 
+@dataclass(frozen=True)
+class Joining:
+    """A run about to join a job: its spec, the keys of it that must agree with the job's
+    while other workers run it, and how long a silent worker counts as live."""
+
+    spec: dict[str, Any]
+    same: tuple[str, ...]
+    ttl: float
+
+
 def check_same(
     conn: Connection, name: str, spec: dict[str, Any], same: tuple[str, ...], *, ttl: float
 ) -> None:

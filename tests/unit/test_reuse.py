@@ -19,7 +19,7 @@ from batchrun.config import resolve
 from batchrun.errors import OptionError
 from batchrun.inputs import InputItem
 from batchrun.jobs import Home
-from batchrun.ledger import ItemResult, Ledger
+from batchrun.ledger import ItemResult, Joining, Ledger
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.sim import SimModel, SimTransport, prompt_tag
 from batchrun.status_view import job_detail, render_detail
@@ -89,6 +89,21 @@ def test_an_earlier_jobs_answer_is_reused_only_under_the_same_options(ledger: Le
     load(ledger, "night3", ["x", "new"])
     assert ledger.prepare_reuse("night3", SPEC_A, reuse_since=None) == (0, 2)
     assert [i.reused_job for i in ledger.iter_results("night3")] == ["night1", "night2"]
+
+
+def test_a_run_other_workers_would_refuse_copies_no_answer_into_their_job(
+    ledger: Ledger,
+) -> None:
+    load(ledger, "last-week", ["x", "y"])
+    answer_all(ledger, "last-week", SPEC_B)  # under the options of the run refused below
+    load(ledger, "j", ["x", "y"])
+    ledger.join("j", "running", ttl=60, spec={"schema": "v2"}, same=("schema",))
+    refused = Joining({"schema": "v1"}, ("schema",), 60)
+    with pytest.raises(OptionError):
+        ledger.prepare_reuse("j", SPEC_B, reuse_since=None, joining=refused)
+    assert ledger.counts("j")["pending"] == 2  # nothing copied under the refused options
+    agreeing = Joining({"schema": "v2"}, ("schema",), 60)
+    assert ledger.prepare_reuse("j", SPEC_A, reuse_since=None, joining=agreeing) == (0, 0)
 
 
 def test_answers_older_than_the_age_limit_and_failures_are_not_reused(ledger: Ledger) -> None:
@@ -216,6 +231,17 @@ async def test_anything_that_changes_an_answer_is_sent_again(
         change = {}
     sent, stats, _out = await night(tmp_path, "n2", prompts, **{**base, **change})
     assert sent >= 6 and stats.reused == 0  # (an invalid answer may take a repair request too)
+
+
+@pytest.mark.anyio
+async def test_simulated_answers_are_never_reused_for_a_real_server(tmp_path: Path) -> None:
+    prompts = [f"extract {i}" for i in range(4)]
+    await night(tmp_path, "dry-run", prompts, model="m")  # --backend sim, the same model name
+    real = {"model": "m", "backend": "custom", "base_url": "http://127.0.0.1:9/v1"}
+    sent, stats, _out = await night(tmp_path, "n1", prompts, **real)
+    assert (sent, stats.reused) == (4, 0)
+    sent, stats, _out = await night(tmp_path, "n2", prompts, **real)
+    assert (sent, stats.reused) == (0, 4)  # a real server's answers are reused as before
 
 
 @pytest.mark.anyio
