@@ -110,6 +110,7 @@ async def submit_async(
                     f"job {name!r} exists and was made from a different input "
                     f"({existing.input_path}); use another job name"
                 )
+            verbs.not_collected(led, existing)
             _say(on_message, f"job {name} exists for this file; {_left(led, name, run)}")
         if not run:  # a dry run: what running it would send and cost
             ahead = await anyio.to_thread.run_sync(verbs.preview, led, name, run_spec)
@@ -194,7 +195,7 @@ def status(job: str, *, home: PathLike = ".", ledger: str | None = None) -> dict
     """What `batchrun status JOB --json` prints: counts, endpoint, tokens, latencies, errors."""
     where = _home(home, ledger)
     with _ledger(where, existing=True) as led:
-        return job_detail(led, _job(led, where, job))
+        return job_detail(led, _job(led, where, job, collected_ok=True))
 
 
 def list_jobs(*, home: PathLike = ".", ledger: str | None = None) -> list[dict[str, Any]]:
@@ -350,11 +351,13 @@ def _ledger(where: Home, *, existing: bool = False) -> Iterator[Ledger]:
         led.close()
 
 
-def _job(led: Ledger, where: Home, name: str) -> Job:
+def _job(led: Ledger, where: Home, name: str, *, collected_ok: bool = False) -> Job:
     found = led.get_job(name)
     if found is None:
         known = ", ".join(j.name for j in led.list_jobs()) or "none"
         raise UsageError(f"no job named {name!r} in {shown_url(where.ledger_url)} (jobs: {known})")
+    if not collected_ok:
+        verbs.not_collected(led, found)
     return found
 
 

@@ -99,6 +99,18 @@ def create_job(ledger: Ledger, name: str, input_path: Path, spec: RunSpec) -> In
     return replace(report, blank_lines=reader.stats.blank_lines)
 
 
+def not_collected(led: Ledger, job: Job) -> None:
+    """A job `gc` collected keeps only its answers for reuse: never run, exported or called
+    complete again (its results would be a part passed off as the whole)."""
+    kept = sum(led.counts(job.name).values())
+    if kept < job.total:
+        raise UsageError(
+            f"job {job.name!r} was collected by `gc`: {kept:,} of its {job.total:,} lines are "
+            "kept, as answers for reuse, the rest and its results are gone; submit the file "
+            "under another name (--job NAME), and its unchanged lines take the kept answers"
+        )
+
+
 def note_loaded(home: Home, name: str, made: IngestReport) -> None:
     """The load, in the job's log: how many items, and the prefix groups found."""
     log = JobLog(home.log_path(name), name)

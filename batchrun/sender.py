@@ -150,6 +150,8 @@ class Sender:
                 # a server without usage still shows its throughput through the text length
                 tokens = completion.completion_tokens or estimate_tokens(len(completion.text))
                 slot.done(completion, tokens)
+                if completion.completion_tokens is None:  # charged as estimates: kept as paid
+                    plan.estimated = (plan.estimated[0] + prompt, plan.estimated[1] + tokens)
             log_attempt(
                 "ok",
                 latency_ms=_ms(completion.latency_s),
@@ -186,6 +188,8 @@ class Sender:
                     status="failed",
                     attempts=attempts,
                     error=str(exc),
+                    extra_prompt_tokens=plan.estimated[0],
+                    extra_completion_tokens=plan.estimated[1],
                     answered_by=self._named(lane),
                 )
             if refusal is not None:
@@ -241,6 +245,8 @@ class Sender:
             repairs=plan.repairs,
             repair_prompt_tokens=plan.repair_prompt_tokens,
             repair_completion_tokens=plan.repair_completion_tokens,
+            extra_prompt_tokens=plan.estimated[0],
+            extra_completion_tokens=plan.estimated[1],
             answered_by=self._named(lane),
             answer_spec=lane.answer_spec,
         )

@@ -9,7 +9,9 @@ from batchrun.ledger import STATUSES, Job, Ledger, Worker, left
 from batchrun.run_state import LEASE_TTL
 
 
-def _state(counts: dict[str, int], attempts: int, live: list[Worker]) -> str:
+def _state(counts: dict[str, int], attempts: int, live: list[Worker], total: int) -> str:
+    if sum(counts.values()) < total:  # gc took the rest
+        return f"collected by gc ({sum(counts.values()):,} answers kept for reuse)"
     if len(live) == 1:
         return f"running (pid {live[0].pid} on {live[0].host})"
     if live:
@@ -26,7 +28,7 @@ def jobs_table(ledger: Ledger) -> list[dict[str, Any]]:
     rows = []
     for job in ledger.list_jobs():
         counts = ledger.counts(job.name)
-        state = _state(counts, ledger.attempts(job.name), _live(ledger, job))
+        state = _state(counts, ledger.attempts(job.name), _live(ledger, job), job.total)
         rows.append({"job": job.name, "state": state, "total": job.total, **counts})
     return rows
 
@@ -39,7 +41,7 @@ def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
     workers = ledger.workers(job.name)
     return {
         "job": job.name,
-        "state": _state(counts, stats["attempts"], _live(ledger, job)),
+        "state": _state(counts, stats["attempts"], _live(ledger, job), job.total),
         "input": job.input_path,
         "input_digest": job.input_digest,
         "total": job.total,

@@ -88,6 +88,8 @@ class AnswerPlan:
         self.repair_completion_tokens = 0
         self.longer = 0  # retries with a larger max_tokens
         self.usage: tuple[int | None, int | None] = (None, None)  # (prompt, completion) tokens
+        # What a budget charged, as estimates, for its requests that came with no usage.
+        self.estimated: tuple[int, int] = (0, 0)
         self.last: Completion | None = None  # the latest answer, kept if a follow-up fails
 
     @property

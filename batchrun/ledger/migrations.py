@@ -99,6 +99,16 @@ def _v7_hosted_batches(conn: Connection) -> None:
     chunks.create(conn, checkfirst=True)
 
 
+EXTRA_COLUMNS = ("extra_prompt_tokens", "extra_completion_tokens")
+
+
+def _v8_extra_tokens(conn: Connection) -> None:
+    have = {c["name"] for c in inspect(conn).get_columns("items")}
+    for column in EXTRA_COLUMNS:
+        if column not in have:
+            conn.execute(text(f"ALTER TABLE items ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0"))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "initial jobs and items", _v1_initial),
     (2, "jobs.limit_history for --concurrency auto", _v2_limit_history),
@@ -111,6 +121,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
         _v6_endpoints_and_order,
     ),
     (7, "items.chunk and chunks: hosted Batch API batches", _v7_hosted_batches),
+    (8, "items.extra_*_tokens: paid tokens no answer shows, for budgets", _v8_extra_tokens),
 ]
 
 

@@ -77,6 +77,9 @@ class ItemResult:
     repairs: int = 0  # follow-up requests that showed an invalid answer its error
     repair_prompt_tokens: int = 0
     repair_completion_tokens: int = 0
+    # Estimates a budget charged for its requests whose server reported no usage.
+    extra_prompt_tokens: int = 0
+    extra_completion_tokens: int = 0
     answered_by: str | None = None  # the endpoint of its last request
     answer_spec: str | None = None  # the answer options it was made under (reuse.py)
 

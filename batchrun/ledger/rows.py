@@ -6,9 +6,9 @@ from dataclasses import fields
 from typing import Any
 
 import orjson
-from sqlalchemy import Row, RowMapping
+from sqlalchemy import Row, RowMapping, bindparam
 
-from batchrun.ledger.records import ClaimedItem, Job, StoredItem
+from batchrun.ledger.records import ClaimedItem, ItemResult, Job, StoredItem
 from batchrun.ledger.schema import items
 from batchrun.prefixes import LINE_BITS
 
@@ -25,6 +25,27 @@ def job_of(row: RowMapping) -> Job:
 
 
 STORED_COLUMNS = [items.c[f.name] for f in fields(StoredItem)]
+
+# What an item's results add up to over its runs; the rest of a result replaces the old.
+SUMMED = (
+    "attempts",
+    "repairs",
+    "repair_prompt_tokens",
+    "repair_completion_tokens",
+    "extra_prompt_tokens",
+    "extra_completion_tokens",
+)
+
+
+def result_values(now: float) -> dict[str, Any]:
+    """The columns a recorded ItemResult sets, from `b_<field>` parameters (`line` picks the
+    row): counts summed over runs, the rest replaced; no owner, no lease, no follow-up."""
+    values: dict[str, Any] = {
+        name: items.c[name] + bindparam(f"b_{name}") if name in SUMMED else bindparam(f"b_{name}")
+        for name in ItemResult.__slots__
+        if name != "line"
+    }
+    return {**values, "owner": None, "lease_expires": None, "followup": None, "updated_at": now}
 
 
 def stored_of(row: RowMapping) -> StoredItem:

@@ -119,6 +119,10 @@ items = Table(
     # A batch's answer that needs a follow-up (a repair, a longer retry), JSON: the online
     # run judges it again and sends the follow-up, not the whole request (migration 7).
     Column("followup", Text),
+    # Tokens paid for that no answer of the item shows (migration 8): answers that `retry` set
+    # aside, and the estimates a budget charged for requests whose server reported no usage.
+    Column("extra_prompt_tokens", Integer, nullable=False, server_default="0"),
+    Column("extra_completion_tokens", Integer, nullable=False, server_default="0"),
     # Rows live in (job, line) order in the primary-key B-tree itself: one B-tree fewer to
     # maintain on ingest, and claims walk it as a range scan.
     sqlite_with_rowid=False,

@@ -21,8 +21,10 @@ def item_stats(conn: Connection, name: str) -> dict[str, Any]:
     )
     totals = conn.execute(
         select(
-            func.sum(items.c.prompt_tokens).filter(paid),
-            func.sum(items.c.completion_tokens).filter(paid),
+            func.sum(_paid(items.c.prompt_tokens, items.c.extra_prompt_tokens)).filter(paid),
+            func.sum(_paid(items.c.completion_tokens, items.c.extra_completion_tokens)).filter(
+                paid
+            ),
             func.sum(items.c.attempts),
             func.sum(items.c.repairs),
             func.sum(items.c.repair_prompt_tokens),
@@ -102,16 +104,27 @@ def _percentile(sorted_values: list[float], q: float) -> float | None:
     return float(sorted_values[index])
 
 
+def _paid(answer: Any, extra: Any) -> Any:
+    """An item's own tokens paid for: its answer's, and those no answer shows (`extra`)."""
+    return func.coalesce(answer, 0) + extra
+
+
 def paid_tokens(conn: Connection, name: str) -> tuple[int, int]:
-    """Prompt and completion tokens the job paid for (repairs too; not reused answers)."""
+    """Prompt and completion tokens the job paid for (repairs, answers a `retry` set aside and
+    the estimates charged where no usage came, too; not reused answers)."""
     paid = and_(items.c.reused_job.is_(None), items.c.dup_of.is_(None))
 
-    def total(answer: Any, repairs: Any) -> Any:
-        return func.coalesce(func.sum(answer).filter(paid), 0) + func.coalesce(func.sum(repairs), 0)
+    def total(answer: Any, extra: Any, repairs: Any) -> Any:
+        own = func.coalesce(func.sum(_paid(answer, extra)).filter(paid), 0)
+        return own + func.coalesce(func.sum(repairs), 0)
 
     query = select(
-        total(items.c.prompt_tokens, items.c.repair_prompt_tokens),
-        total(items.c.completion_tokens, items.c.repair_completion_tokens),
+        total(items.c.prompt_tokens, items.c.extra_prompt_tokens, items.c.repair_prompt_tokens),
+        total(
+            items.c.completion_tokens,
+            items.c.extra_completion_tokens,
+            items.c.repair_completion_tokens,
+        ),
     ).where(items.c.job == name)
     row = conn.execute(query).one()
     return int(row[0] or 0), int(row[1] or 0)

@@ -32,7 +32,7 @@ from batchrun.ledger.records import (
     LimitMove,
     StoredItem,
 )
-from batchrun.ledger.rows import STORED_COLUMNS, as_json, job_of, stored_of
+from batchrun.ledger.rows import STORED_COLUMNS, as_json, job_of, result_values, stored_of
 from batchrun.ledger.schema import STATUSES, items, jobs
 from batchrun.ledger.workers import Joining, Worker
 
@@ -270,29 +270,7 @@ class Ledger:
         stmt = (
             update(items)
             .where(and_(items.c.job == name, items.c.line == bindparam("b_line"), ours))
-            .values(
-                status=bindparam("b_status"),
-                attempts=items.c.attempts + bindparam("b_attempts"),
-                owner=None,
-                lease_expires=None,
-                updated_at=now,
-                answer_spec=bindparam("b_answer_spec"),
-                answered_by=bindparam("b_answered_by"),
-                followup=None,
-                latency_ms=bindparam("b_latency_ms"),
-                ttft_ms=bindparam("b_ttft_ms"),
-                prompt_tokens=bindparam("b_prompt_tokens"),
-                completion_tokens=bindparam("b_completion_tokens"),
-                finish_reason=bindparam("b_finish_reason"),
-                output=bindparam("b_output"),
-                parsed=bindparam("b_parsed"),
-                error=bindparam("b_error"),
-                repairs=items.c.repairs + bindparam("b_repairs"),
-                repair_prompt_tokens=items.c.repair_prompt_tokens
-                + bindparam("b_repair_prompt_tokens"),
-                repair_completion_tokens=items.c.repair_completion_tokens
-                + bindparam("b_repair_completion_tokens"),
-            )
+            .values(**result_values(now))
         )
         params = [{f"b_{k}": getattr(r, k) for k in ItemResult.__slots__} for r in results]
         for p in params:
@@ -350,7 +328,8 @@ class Ledger:
         return done
 
     def requeue(self, name: str, statuses: tuple[str, ...] = ("failed", "invalid")) -> int:
-        """Put finished-but-unsuccessful items back to pending (the `retry` command)."""
+        """Put finished-but-unsuccessful items back to pending (the `retry` command). The
+        tokens their answers used stay paid for (budgets and `status` count them)."""
         now = time.time()
         with self._write("re-queueing items") as conn:
             count = conn.execute(
@@ -362,6 +341,12 @@ class Ledger:
                     output=None,
                     parsed=None,
                     finish_reason=None,
+                    extra_prompt_tokens=items.c.extra_prompt_tokens
+                    + func.coalesce(items.c.prompt_tokens, 0),
+                    extra_completion_tokens=items.c.extra_completion_tokens
+                    + func.coalesce(items.c.completion_tokens, 0),
+                    prompt_tokens=None,
+                    completion_tokens=None,
                     updated_at=now,
                 )
             ).rowcount

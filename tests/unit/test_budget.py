@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from batchrun import jobs
@@ -14,7 +15,7 @@ from batchrun.budget import Budget, BudgetReached
 from batchrun.config import resolve
 from batchrun.errors import OptionError
 from batchrun.jobs import Home
-from batchrun.ledger import Ledger
+from batchrun.ledger import ItemResult, Ledger
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.sim import SimModel, SimTransport
 from tests.fakes import FakeTime
@@ -80,3 +81,67 @@ async def test_the_job_stops_at_its_token_budget_and_resumes_with_more(tmp_path:
 async def test_a_cost_budget_needs_prices(tmp_path: Path) -> None:
     with pytest.raises(OptionError, match="max_cost needs price_in and price_out"):
         await run_job(tmp_path, "j", max_cost=1.0)
+
+
+class NoUsage(SimTransport):
+    """The simulator with `usage` taken out of its (not streamed) answers."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        body = json.loads(await response.aread())
+        if isinstance(body, dict):
+            body.pop("usage", None)
+        return httpx.Response(response.status_code, json=body)
+
+
+@pytest.mark.anyio
+async def test_estimates_charged_where_no_usage_came_count_on_resume(tmp_path: Path) -> None:
+    home = Home.at(tmp_path, None)
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"item {i}"}) + "\n" for i in range(40)))
+    spec = resolve(
+        {"backend": "sim", "concurrency": 4, "stream": False, "max_tokens": 30}
+        | {"max_total_tokens": 600, "server_metrics": "off"}
+    )
+    ledger = Ledger(home.ledger_url)
+    jobs.create_job(ledger, "j", path, spec)
+    sent = []
+    for _run in range(2):  # the same budget again: it was spent, nothing more is sent
+        fake = FakeTime()
+        settings = RunnerSettings(sleep=fake.sleep, clock=fake.clock, drain_timeout=0.0)
+        stats = await jobs.run_job(
+            ledger,
+            home,
+            "j",
+            spec,
+            transport=NoUsage(SimModel()),
+            settings=settings,
+            handle_signals=False,
+        )
+        assert stats.aborted is not None and "--max-total-tokens 600" in stats.aborted
+        sent.append(stats.requests)
+    assert sent[0] > 0 and sent[1] == 0
+    assert sum(ledger.paid_tokens("j")) > 0  # the estimates, kept
+
+
+def test_tokens_of_answers_a_retry_set_aside_stay_paid(tmp_path: Path) -> None:
+    home = Home.at(tmp_path, None)
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"prompt": "one"}) + "\n")
+    ledger = Ledger(home.ledger_url)
+    jobs.create_job(ledger, "j", path, resolve({"backend": "sim"}))
+    for status, tokens in (("invalid", (10, 5)), ("done", (7, 3))):
+        ledger.join("j", "w", ttl=60)
+        (claimed,) = ledger.claim("j", "w", 1, lease_ttl=60)
+        answer = ItemResult(
+            claimed.line, status, 1, prompt_tokens=tokens[0], completion_tokens=tokens[1]
+        )
+        ledger.record("j", "w", [answer])
+        ledger.release("j", "w")
+        if status == "invalid":
+            assert ledger.requeue("j") == 1
+            assert ledger.paid_tokens("j") == (10, 5)  # set aside, still paid
+    assert ledger.paid_tokens("j") == (17, 8)  # both answers were paid for
+    assert ledger.item_stats("j")["prompt_tokens"] == 17
+    (stored,) = ledger.iter_results("j")
+    assert (stored.prompt_tokens, stored.completion_tokens) == (7, 3)  # the answer's own usage

@@ -486,7 +486,7 @@ def test_migrations_bring_an_older_ledger_up_to_date(tmp_path: Path) -> None:
     )
     conn.close()
     engine = make_engine(f"sqlite:///{db}")
-    assert migrate(engine) == 6  # v2 to v7 ran
+    assert migrate(engine) == 7  # v2 to v8 ran
     assert "limit_history" in {c["name"] for c in inspect(engine).get_columns("jobs")}
     assert {
         "repairs",
@@ -499,6 +499,8 @@ def test_migrations_bring_an_older_ledger_up_to_date(tmp_path: Path) -> None:
         "answered_by",
         "sched",
         "chunk",
+        "extra_prompt_tokens",
+        "extra_completion_tokens",
     } <= {c["name"] for c in inspect(engine).get_columns("items")}
     assert {"ix_items_reuse", "ix_items_sched"} <= {
         i["name"] for i in inspect(engine).get_indexes("items")

@@ -16,7 +16,7 @@ from sqlalchemy import text
 
 from batchrun import jobs
 from batchrun.config import resolve
-from batchrun.errors import OptionError
+from batchrun.errors import OptionError, UsageError
 from batchrun.inputs import InputItem
 from batchrun.jobs import Home
 from batchrun.ledger import ItemResult, Joining, Ledger
@@ -333,3 +333,28 @@ def test_gc_from_the_api_removes_results_files_and_logs(tmp_path: Path) -> None:
     assert not report.output.exists() and not (tmp_path / "logs" / "tiny.log").exists()
     with pytest.raises(OptionError, match="older_than must be a number"):
         batchrun.gc("a month", home=tmp_path)
+
+
+def test_a_job_gc_collected_is_never_run_or_exported_as_if_whole(tmp_path: Path) -> None:
+    import batchrun
+
+    path = tmp_path / "weekly.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"line {i}"}) + "\n" for i in range(8)))
+    options: dict[str, Any] = {"home": tmp_path, "backend": "sim", "server_metrics": "off"}
+    budget = {"max_tokens": 20, "max_total_tokens": 100}  # stops it with lines left pending
+    report = batchrun.submit(path, job="weekly", concurrency=1, **options, **budget)
+    assert 0 < report.counts["done"] < 8
+    ledger = Ledger(Home.at(tmp_path, None).ledger_url)
+    age_jobs(ledger)
+    ledger.close()
+    assert batchrun.gc("30d", home=tmp_path).jobs == ["weekly"]
+    assert batchrun.status("weekly", home=tmp_path)["state"].startswith("collected by gc")
+    for again in (
+        lambda: batchrun.submit(path, job="weekly", **options),
+        lambda: batchrun.resume("weekly", home=tmp_path),
+        lambda: batchrun.export("weekly", home=tmp_path),
+    ):
+        with pytest.raises(UsageError, match="collected by `gc`"):
+            again()
+    fresh = batchrun.submit(path, job="weekly-2", max_tokens=20, **options)
+    assert fresh.counts["done"] == 8 and fresh.stats.reused == report.counts["done"]
