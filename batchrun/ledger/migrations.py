@@ -109,6 +109,11 @@ def _v8_extra_tokens(conn: Connection) -> None:
             conn.execute(text(f"ALTER TABLE items ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0"))
 
 
+def _v9_worker_leases(conn: Connection) -> None:
+    if "lease" not in {c["name"] for c in inspect(conn).get_columns("workers")}:
+        conn.execute(text("ALTER TABLE workers ADD COLUMN lease FLOAT"))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "initial jobs and items", _v1_initial),
     (2, "jobs.limit_history for --concurrency auto", _v2_limit_history),
@@ -122,6 +127,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     ),
     (7, "items.chunk and chunks: hosted Batch API batches", _v7_hosted_batches),
     (8, "items.extra_*_tokens: paid tokens no answer shows, for budgets", _v8_extra_tokens),
+    (9, "workers.lease: each worker judged by its own", _v9_worker_leases),
 ]
 
 

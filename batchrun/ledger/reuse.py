@@ -25,7 +25,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import FromClause
 
 from batchrun.ledger.records import ItemResult
-from batchrun.ledger.schema import items
+from batchrun.ledger.schema import FINAL_STATUSES, items
 from batchrun.ledger.schema import waits as waiting
 
 # What a reused or fanned-out line takes from the answer it copies.
@@ -80,6 +80,34 @@ def still_waiting(conn: Connection, job: str) -> int:
     return int(
         conn.execute(query.where(waiting.c.job == job, items.c.status == "pending")).scalar() or 0
     )
+
+
+def any_waiting(conn: Connection, job: str) -> bool:
+    """Whether a pending line waits for another line's answer."""
+    waiting_line = select(items.c.line).where(
+        items.c.job == job, items.c.status == "pending", items.c.dup_of.is_not(None)
+    )
+    return conn.execute(waiting_line.limit(1)).first() is not None
+
+
+def settle_strays(conn: Connection, job: str, now: float) -> int:
+    """Pending lines whose leader is final get its answer; how many. fan_out gives it as the
+    leader's answer is recorded, but on PostgreSQL a run marking repeats (mark_duplicates)
+    can commit after another worker recorded a leader it had read as pending: that record's
+    fan_out saw no line waiting, and the line would wait for ever. Run when nothing is left
+    to claim, so a job always ends."""
+    leader = items.alias("leader")
+    final = (
+        select(leader.c.line, *(leader.c[c].label(c) for c in COPIED))
+        .where(leader.c.job == job, leader.c.status.in_(FINAL_STATUSES))
+        .subquery("final")
+    )
+    copy = (
+        update(items)
+        .where(items.c.job == job, items.c.status == "pending", items.c.dup_of == final.c.line)
+        .values(updated_at=now, **{c: final.c[c] for c in COPIED})
+    )
+    return int(conn.execute(copy).rowcount)
 
 
 def _answered_before(

@@ -72,6 +72,9 @@ workers = Table(
     Column("recorded", Integer, nullable=False, server_default="0"),  # results it committed
     Column("requests", Integer, nullable=False, server_default="0"),
     Column("endpoints", Text),  # per endpoint: state, answered, errors, limit (migration 6)
+    # Its own --lease: how long it may stay silent before others take it for gone (migration
+    # 9); judged by the judge's lease instead, one worker with a short one reclaimed from all.
+    Column("lease", Float),
 )
 
 items = Table(

@@ -133,6 +133,7 @@ class Ledger:
                 .where(jobs.c.name == name)
                 .values(total=accepted + rejected, input_digest=digest)
             )
+        self.dialect.loaded(self.engine)
         groups = loader.grouper
         return IngestReport(accepted, rejected, groups=groups.groups, grouped=groups.grouped)
 
@@ -214,7 +215,13 @@ class Ledger:
         claims) or held by others (they may come back). A read: idle workers do not hold the
         write lock; heartbeats reclaim what dead workers held."""
         with self._read("looking for unfinished work") as conn:
-            return workers.more_may_come(conn, name, worker)
+            if workers.more_may_come(conn, name, worker):
+                return True
+            if not reuse.any_waiting(conn, name):
+                return False
+        with self._write("answering repeated lines") as conn:  # strays: see settle_strays
+            reuse.settle_strays(conn, name, time.time())
+        return True
 
     def live_workers(self, name: str, *, ttl: float) -> int:
         with self._read("counting workers") as conn:

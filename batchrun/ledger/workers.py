@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import time
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -54,11 +55,13 @@ class Worker:
     recorded: int
     requests: int
     endpoints: dict[str, Any] | None = None  # name -> state, answered, errors, limit, reason
+    lease: float | None = None  # its own --lease (None: a worker from before migration 9)
 
     def alive(self, now: float, ttl: float) -> bool:
-        """Running, by the evidence: not stopped, a recent heartbeat, and (where its pid means
-        something to us) its process still there."""
-        if self.stopped_at is not None or now - self.heartbeat > ttl:
+        """Running, by the evidence: not stopped, a heartbeat within its own lease (`ttl`
+        where it has none on record), and (where its pid means something to us) its process
+        still there."""
+        if self.stopped_at is not None or now - self.heartbeat > (self.lease or ttl):
             return False
         return self.machine != this_machine() or pid_alive(self.pid)
 
@@ -94,7 +97,7 @@ def join(conn: Connection, name: str, worker: str, *, ttl: float) -> int:
     known = select(workers.c.id).where(workers.c.id == worker)
     if conn.execute(known).first() is None:
         values = {"id": worker, "job": name, "started_at": now, "heartbeat": now, **row}
-        conn.execute(workers.insert().values(**values))
+        conn.execute(workers.insert().values(lease=ttl, **values))
     else:  # joined already: a join whose answer was lost with the connection, tried again
         conn.execute(update(workers).where(workers.c.id == worker).values(heartbeat=now))
     return reclaim(conn, name, worker, ttl=ttl)
@@ -131,6 +134,8 @@ def beat(
         .where(workers.c.id == worker)
         .values(heartbeat=now, stopped_at=None, recorded=recorded, requests=requests)
     )
+    # A running job is touched: `gc` takes a job untouched for its age for abandoned.
+    conn.execute(update(jobs).where(jobs.c.name == name).values(updated_at=time.time()))
     conn.execute(
         update(items)
         .where(items.c.job == name, items.c.owner == worker, items.c.status == "running")
@@ -225,9 +230,11 @@ def put_back_strays(conn: Connection, name: str, worker: str, held: set[int]) ->
 
 def more_may_come(conn: Connection, name: str, worker: str) -> bool:
     """Nothing was claimed: is there more? Items pending (put back behind the claims by a
-    worker that left, or reclaimed), or held by other workers (they may come back). A read."""
+    worker that left, or reclaimed), or held by other workers (they may come back); lines that
+    wait for another line's answer are not asked about here (reuse.still_waiting). A read."""
     left = or_(
-        items.c.status == "pending", and_(items.c.status == "running", items.c.owner != worker)
+        and_(items.c.status == "pending", items.c.dup_of.is_(None)),
+        and_(items.c.status == "running", items.c.owner != worker),
     )
     found = conn.execute(select(items.c.line).where(items.c.job == name, left).limit(1)).first()
     return found is not None
@@ -247,6 +254,7 @@ def listed(conn: Connection, name: str, *, live: bool = False) -> list[Worker]:
         workers.c.recorded,
         workers.c.requests,
         workers.c.endpoints,
+        workers.c.lease,
     ).where(workers.c.job == name)
     if live:
         query = query.where(workers.c.stopped_at.is_(None))
@@ -268,8 +276,9 @@ def pid_alive(pid: int) -> bool:
 
 
 def live_count(conn: Connection, name: str, *, ttl: float) -> int:
-    """Workers of the job that are running now, by their heartbeats (database time)."""
-    fresh = workers.c.heartbeat > db_now(conn) - ttl
+    """Workers of the job that are running now, by their heartbeats (database time) within
+    their own leases."""
+    fresh = workers.c.heartbeat > db_now(conn) - func.coalesce(workers.c.lease, ttl)
     query = select(func.count()).where(workers.c.job == name, workers.c.stopped_at.is_(None))
     return int(conn.execute(query.where(fresh)).scalar() or 0)
 

@@ -486,7 +486,7 @@ def test_migrations_bring_an_older_ledger_up_to_date(tmp_path: Path) -> None:
     )
     conn.close()
     engine = make_engine(f"sqlite:///{db}")
-    assert migrate(engine) == 7  # v2 to v8 ran
+    assert migrate(engine) == 8  # v2 to v9 ran
     assert "limit_history" in {c["name"] for c in inspect(engine).get_columns("jobs")}
     assert {
         "repairs",
@@ -556,3 +556,33 @@ def test_live_workers_are_counted_by_their_heartbeats(ledger: Ledger) -> None:
     with ledger.engine.begin() as conn:  # a's heartbeat is old: not counted
         conn.execute(text("UPDATE workers SET heartbeat = heartbeat - 3600 WHERE id = 'a'"))
     assert ledger.live_workers("j", ttl=60) == 0
+
+
+def test_each_worker_is_judged_by_its_own_lease(ledger: Ledger) -> None:
+    make_job(ledger, 4)
+    same = ("temperature",)
+    ledger.join("j", "patient", ttl=60, spec={"temperature": 0.2}, same=same)
+    (held,) = ledger.claim("j", "patient", 1, lease_ttl=60)
+    time.sleep(0.05)  # longer than the next one's lease, far shorter than its own
+    with pytest.raises(OptionError):  # still there: its options still hold the job
+        ledger.join("j", "hasty", ttl=0.01, spec={"temperature": 0.9}, same=same)
+    assert ledger.join("j", "hasty", ttl=0.01, spec={"temperature": 0.2}, same=same) == 0
+    assert ledger.live_workers("j", ttl=0.01) == 2
+    ledger.heartbeat("j", "hasty", lease_ttl=0.01)
+    statuses = {i.line: i.status for i in ledger.iter_results("j")}
+    assert statuses[held.line] == "running"  # not taken from a live worker
+    assert [w.stopped_at for w in ledger.workers("j")] == [None, None]
+
+
+def test_gc_leaves_a_job_whose_worker_beats_within_its_own_lease(ledger: Ledger) -> None:
+    make_job(ledger, 4)
+    ledger.join("j", "slow", ttl=300)  # a long --lease: its heartbeats come minutes apart
+    ledger.claim("j", "slow", 2, lease_ttl=300)
+    ledger.heartbeat("j", "slow", lease_ttl=300)
+    job = ledger.get_job("j")
+    assert job is not None and job.updated_at > time.time() - 60  # a heartbeat touches it
+    with ledger.engine.begin() as conn:  # its last heartbeat 100 s ago, the job's load long ago
+        conn.execute(text("UPDATE workers SET heartbeat = heartbeat - 100"))
+        conn.execute(text("UPDATE jobs SET updated_at = 0"))
+    done = ledger.collect(before=time.time() - 60, everything=False, ttl=60)
+    assert done.running == ["j"] and sum(ledger.counts("j").values()) == 4

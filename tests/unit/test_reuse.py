@@ -358,3 +358,35 @@ def test_a_job_gc_collected_is_never_run_or_exported_as_if_whole(tmp_path: Path)
             again()
     fresh = batchrun.submit(path, job="weekly-2", max_tokens=20, **options)
     assert fresh.counts["done"] == 8 and fresh.stats.reused == report.counts["done"]
+
+
+def test_a_line_left_waiting_for_a_leader_already_answered_is_answered_at_the_end(
+    ledger: Ledger,
+) -> None:
+    load(ledger, "j", ["x", "y", "x"])
+    assert ledger.prepare_reuse("j", SPEC_A, reuse_since=None, earlier=False) == (1, 0)
+    # What a race on PostgreSQL leaves: line 1 recorded by a worker whose fan-out did not yet
+    # see line 3 waiting for it (another run's mark, committed after that record).
+    with ledger.engine.begin() as conn:
+        conn.execute(text("UPDATE items SET status='done', output='x!' WHERE job='j' AND line=1"))
+    assert answer_all(ledger, "j", SPEC_A) == [2]  # line 3 is not claimed: it waits
+    assert ledger.more_may_come("j", "w") is True  # answered now, from line 1
+    assert outputs(ledger, "j")[2] == ("done", "x!", None)
+    assert ledger.more_may_come("j", "w") is False  # so the job ends
+
+
+def test_postgresql_knows_a_loaded_jobs_size_before_reuse_plans_on_it(
+    postgres_server: str,
+) -> None:
+    from tests.postgres import fresh_database
+
+    with fresh_database(postgres_server) as url:
+        ledger = Ledger(url)
+        load(ledger, "big", [f"prompt {i}" for i in range(3000)])
+        with ledger.engine.connect() as conn:
+            rows = conn.execute(text("SELECT reltuples FROM pg_class WHERE relname = 'items'"))
+            estimated = rows.scalar()
+        ledger.close()
+    # The planner's estimate, not a count: before the load was analysed it took the table for
+    # empty, and joined a job's items by nested loops (minutes for 20,000 lines).
+    assert estimated is not None and estimated >= 3000
