@@ -35,6 +35,10 @@ MIGRATION_LOCK = 0x62617463  # PostgreSQL advisory lock key for migrations ("bat
 # SQLSTATEs of a server going away or not there yet: connection exceptions (class 08),
 # admin_shutdown, crash_shutdown, cannot_connect_now (starting up)
 OUT_OF_REACH_STATES = ("57P01", "57P02", "57P03")
+# SQLSTATEs of a transaction that lost to another and may simply run again: deadlock_detected,
+# serialization_failure, lock_not_available (told by code, not by the words of a message,
+# which a server may say in another language)
+CONFLICT_STATES = ("40P01", "40001", "55P03")
 # What a server or resolver says when connecting cannot work however long we wait.
 REFUSALS = (
     "authentication failed",
@@ -107,6 +111,11 @@ class Dialect:
         dropped): worth waiting for, unlike a full disk or a broken rule."""
         return False
 
+    def conflict(self, exc: SQLAlchemyError) -> bool:
+        """The transaction lost to another (a deadlock): it may simply run again. (SQLite's
+        writers take turns at BEGIN IMMEDIATE; its busy lock says "locked".)"""
+        return False
+
 
 class Postgres(Dialect):
     name = "postgresql"
@@ -146,17 +155,26 @@ class Postgres(Dialect):
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             conn.exec_driver_sql("VACUUM items")
 
+    def conflict(self, exc: SQLAlchemyError) -> bool:
+        return _sqlstate(exc) in CONFLICT_STATES
+
     def out_of_reach(self, exc: SQLAlchemyError) -> bool:
         if getattr(exc, "connection_invalidated", False):
             return True
         orig = getattr(exc, "orig", None)
-        state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)  # psycopg2
+        state = _sqlstate(exc)
         if state:
             return str(state).startswith("08") or state in OUT_OF_REACH_STATES
         # No SQLSTATE: the driver failed while connecting. Refused, reset or timed out is a
         # server away; a refused login, an unknown database or host is a mistake to say now.
         said = str(orig or exc).lower()
         return isinstance(exc, OperationalError) and not any(m in said for m in REFUSALS)
+
+
+def _sqlstate(exc: SQLAlchemyError) -> str | None:
+    orig = getattr(exc, "orig", None)
+    state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)  # psycopg2
+    return str(state) if state else None
 
 
 SQLITE, POSTGRES = Dialect(), Postgres()

@@ -39,7 +39,7 @@ def storage_errors(action: str, dialect: Dialect = SQLITE) -> Iterator[None]:
         # The driver's own message only: SQLAlchemy's text would repeat the SQL and its
         # parameters, which hold prompts.
         reason = str(getattr(exc, "orig", None) or type(exc).__name__).strip()
-        busy = "locked" in reason or "busy" in reason
+        busy = "locked" in reason or "busy" in reason or dialect.conflict(exc)
         away = dialect.out_of_reach(exc)
         if "disk I/O error" in reason or "full" in reason:
             reason += " (is the disk full, or the file over a size limit?)"

@@ -15,6 +15,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from batchrun.errors import LedgerError
 from batchrun.ledger import Ledger
 from batchrun.ledger.dialect import POSTGRES, SQLITE
+from batchrun.ledger.engine import storage_errors
 from batchrun.ledger_calls import RETRY_S, LedgerCalls
 from batchrun.progress import JobLog
 from batchrun.run_state import RunnerSettings
@@ -119,6 +120,17 @@ def test_which_errors_mean_the_database_is_out_of_reach() -> None:
         assert not SQLITE.out_of_reach(error)  # a file is not away
     for error in (full, twice, refused_login, no_db):  # waiting would not help
         assert not POSTGRES.out_of_reach(error)
+
+
+def test_a_transaction_that_lost_to_another_is_tried_again_whatever_its_words() -> None:
+    # Told by SQLSTATE: a server speaking another language says "Verklemmung entdeckt".
+    for lost in (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
+        error = statement_error(OperationalError, lost("Verklemmung entdeckt"))
+        assert POSTGRES.conflict(error) and not POSTGRES.out_of_reach(error)
+        with pytest.raises(LedgerError) as raised, storage_errors("recording", POSTGRES):
+            raise error
+        assert raised.value.busy
+    assert not POSTGRES.conflict(statement_error(IntegrityError, psycopg.errors.UniqueViolation()))
 
 
 def test_a_postgresql_ledger_that_cannot_be_reached_says_so() -> None:
