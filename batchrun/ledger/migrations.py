@@ -52,8 +52,13 @@ def _v2_limit_history(conn: Connection) -> None:
 
 
 def _v3_repair_costs(conn: Connection) -> None:
+    _add_counts(conn, REPAIR_COLUMNS)
+
+
+def _add_counts(conn: Connection, columns: tuple[str, ...]) -> None:
+    """Count columns of items, 0 on every row (a blank ledger has them from the table)."""
     have = {c["name"] for c in inspect(conn).get_columns("items")}
-    for column in REPAIR_COLUMNS:
+    for column in columns:
         if column not in have:
             conn.execute(text(f"ALTER TABLE items ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0"))
 
@@ -103,10 +108,7 @@ EXTRA_COLUMNS = ("extra_prompt_tokens", "extra_completion_tokens")
 
 
 def _v8_extra_tokens(conn: Connection) -> None:
-    have = {c["name"] for c in inspect(conn).get_columns("items")}
-    for column in EXTRA_COLUMNS:
-        if column not in have:
-            conn.execute(text(f"ALTER TABLE items ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0"))
+    _add_counts(conn, EXTRA_COLUMNS)
 
 
 def _v9_worker_leases(conn: Connection) -> None:

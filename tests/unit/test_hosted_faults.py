@@ -21,7 +21,7 @@ from batchrun.jobs import Home
 from batchrun.ledger import Ledger, chunks
 from batchrun.run_state import RunStats
 from batchrun.sim import SimModel, SimTransport
-from tests.unit.test_hosted import Killed, load, sim
+from tests.unit.test_hosted import Killed, _kill, load, sim
 
 # (method, path, n, the simulator's answer) -> an answer to give instead, or None
 Rewrite = Callable[[str, str, int, httpx.Response], httpx.Response | None]
@@ -251,13 +251,8 @@ async def test_an_online_resume_makes_no_batch_of_a_chunk_killed_before_its_crea
 ) -> None:
     ledger, home, spec = load(tmp_path, 6)
     model = sim()
-
-    def crash(name: str) -> None:
-        if name == "uploaded":
-            raise Killed(name)
-
     with monkeypatch.context() as patch:
-        patch.setattr(hosted, "_crash_point", crash)
+        patch.setattr(hosted, "_crash_point", lambda name: _kill(name, "uploaded"))
         with pytest.raises(Killed):
             await run(ledger, home, spec, SimTransport(model))
     monkeypatch.setattr(chunks, "_alive", lambda _owner: False)
