@@ -211,14 +211,18 @@ def retry(job: str, *, home: PathLike = ".", ledger: str | None = None) -> int:
         return led.requeue(_job(led, where, job).name)
 
 
-def cancel(job: str, *, home: PathLike = ".", ledger: str | None = None) -> list[str]:
+def cancel(
+    job: str, *, forget: bool = False, home: PathLike = ".", ledger: str | None = None
+) -> list[str]:
     """Cancel the job's running hosted batches (`--mode batch`); their ids. What they answered
-    before stopping is collected by the next `resume`; the rest goes back to pending."""
+    before stopping is collected by the next `resume`; the rest goes back to pending.
+    `forget`: a batch the provider does not know is gone; its lines go back to pending."""
     where = _home(home, ledger)
     with _ledger(where, existing=True) as led:
         found = _job(led, where, job)
         spec = verbs.job_spec(found)
-        return anyio.run(functools.partial(batch_mode.cancel_batches, led, found.name, spec))
+        run = functools.partial(batch_mode.cancel_batches, led, found.name, spec, forget=forget)
+        return anyio.run(run)
 
 
 def export(

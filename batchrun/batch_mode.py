@@ -13,7 +13,7 @@ import anyio
 from batchrun.backends.base import Transport
 from batchrun.backends.batch_api import BatchAPI
 from batchrun.config import RunSpec
-from batchrun.errors import NotFound, RequestError, single_error
+from batchrun.errors import FatalError, NotFound, RequestError, single_error
 from batchrun.hosted import FINISHED, HostedRun, T, patiently
 from batchrun.ledger import Ledger
 from batchrun.progress import JobLog
@@ -76,14 +76,21 @@ async def _stop_on_signals(scope: anyio.CancelScope, stats: RunStats) -> None:
 
 
 async def cancel_batches(
-    ledger: Ledger, name: str, spec: RunSpec, *, transport: Transport | None = None
+    ledger: Ledger,
+    name: str,
+    spec: RunSpec,
+    *,
+    forget: bool = False,
+    transport: Transport | None = None,
 ) -> list[str]:
     """Ask the provider to cancel the job's running batches (a chunk without a recorded id
     is looked for by its metadata); the ids of those that no longer run. What they answered
     before stopping is collected by the next run (`resume`), the rest goes back to pending.
-    A batch the provider does not know (404) is taken as gone, since the user says so by
-    cancelling it: its lines go back to pending at once. Transient errors are waited out
-    (--outage-timeout); any other refusal stops the command with the provider's reason."""
+    A batch the provider does not know (404) stops the command: a key of another project
+    or a wrong URL says that too, and the batch would run on, paid for, while its lines were
+    sent again. With `forget` (the user knows it is gone) its lines go back to pending.
+    Transient errors are waited out (--outage-timeout); any other refusal stops the command
+    with the provider's reason."""
     api = BatchAPI(spec, transport)
     cancelled = []
 
@@ -105,7 +112,13 @@ async def cancel_batches(
                 continue
             try:
                 batch = await patient(partial(api.cancel, batch_id))
-            except NotFound:
+            except NotFound as exc:
+                if not forget:
+                    raise FatalError(
+                        f"batch {batch_id} (chunk {chunk.chunk}) is not found with this key at "
+                        f"this URL ({exc}); if it is gone for good, `batchrun cancel {name} "
+                        "--forget` puts its lines back to pending"
+                    ) from None
                 ledger.chunks.close(name, chunk.chunk)
                 cancelled.append(batch_id)
                 continue

@@ -370,12 +370,13 @@ def retry(ctx: Context, job_name: str) -> None:
 
 @main.command()
 @click.argument("job_name")
+@click.option("--forget", is_flag=True, help="A batch the provider does not know is gone.")
 @pass_ctx
 @errors_to_exit_codes
-def cancel(ctx: Context, job_name: str) -> None:
+def cancel(ctx: Context, job_name: str, forget: bool) -> None:
     """Cancel JOB_NAME's running hosted batches (--mode batch); `resume` then collects what
     they answered, and the rest goes back to pending."""
-    ids = api.cancel(job_name, **ctx.where)
+    ids = api.cancel(job_name, forget=forget, **ctx.where)
     say(f"cancelled {len(ids)} batch(es) of {job_name}" + (f": {', '.join(ids)}" if ids else ""))
 
 

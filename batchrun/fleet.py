@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter, OrderedDict, deque
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Collection, Hashable
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
@@ -151,6 +151,7 @@ class Fleet:
         self._affinity: OrderedDict[int, Lane] = OrderedDict()
         self._out_error: FatalError | None = None
         self._free: Counter[Hashable] = Counter()  # free tries per item, on failing endpoints
+        self._refused: dict[Hashable, set[Lane]] = {}  # item -> lanes that refused it (4xx)
         if self.only is None:
             for lane in lanes:
                 lane.throttle.on_room = functools.partial(self._room, lane)
@@ -179,7 +180,8 @@ class Fleet:
         came = True
         while True:
             self.check()
-            lane = None if came and (self._waiters or self._woken) else self._take(group)
+            queued = came and (self._waiters or self._woken)
+            lane = None if queued else self._take(group, self._refused.get(key, ()))
             if lane is not None:
                 lane.sent += 1
                 self._sent_to[key] = lane
@@ -203,15 +205,16 @@ class Fleet:
                 else:
                     self._waiters.remove(waiter)
 
-    def _take(self, group: int | None) -> Lane | None:
+    def _take(self, group: int | None, refused: Collection[Lane]) -> Lane | None:
         now = self.clock()
-        for lane in self.lanes:  # first a probe of a lane that is down, when one is due
+        lanes = [lane for lane in self.lanes if lane not in refused]
+        for lane in lanes:  # first a probe of a lane that is down, when one is due
             due = lane.state == "down" and lane.probe is None and now >= lane.probe_at
             if due and lane.throttle.take():
                 lane.probe = _PROBING  # the pick names the item
                 self._on_event("endpoint_probe", endpoint=lane.name)
                 return lane
-        up = [lane for lane in self.lanes if lane.state == "up"]
+        up = [lane for lane in lanes if lane.state == "up"]
         if any(lane.route.weight > 0 for lane in up):  # weight 0: a fallback
             up = [lane for lane in up if lane.route.weight > 0]
         preferred = self._affinity.get(group) if group is not None else None
@@ -286,6 +289,7 @@ class Fleet:
     def success(self, key: Hashable = None, sent: float | None = None) -> None:
         lane = self.only or self._sent_to.pop(key)
         self._free.pop(key, None)
+        self._refused.pop(key, None)
         lane.outage.success(key, sent)
         lane.answered += 1
 
@@ -312,10 +316,12 @@ class Fleet:
         return False
 
     def resend_now(self, key: Hashable) -> bool:
-        """Whether the item's next try should go at once: its lane is down or out, and
-        another is up to take it."""
+        """Whether the item's next try should go at once: its lane refused it, or is down or
+        out, and another is up to take it."""
         if self.only is not None:
             return False
+        if key in self._refused:
+            return True
         lane = self._sent_to.get(key)
         return (
             lane is not None
@@ -350,6 +356,21 @@ class Fleet:
             raise EndpointDown(
                 f"every endpoint unreachable for over {self.grace:g}s; last errors: {errors}"
             )
+
+    def refused(self, lane: Lane, key: Hashable) -> bool:
+        """`lane` refused the item's request (a 400; a 404 to a model or API the line asked for
+        itself): the item's fault or that lane's, not the job's. True while a lane that has not
+        refused it is still in the job: the request goes there, free (else an endpoint that
+        refuses at once, always the least busy, would fail the items a healthy one could
+        answer); False: every lane that is up refused it, and it fails (a lane that is down
+        may stay down: the item would wait for it for ever)."""
+        lane.errors += 1
+        tried = self._refused.setdefault(key, set())
+        tried.add(lane)
+        if any(other.state == "up" and other not in tried for other in self.lanes):
+            return True
+        del self._refused[key]
+        return False
 
     def take_out(self, lane: Lane, error: FatalError) -> bool:
         """A 401/403/404 from `lane`: it leaves the job. True while other lanes remain (the

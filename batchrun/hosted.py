@@ -142,8 +142,9 @@ class HostedRun:
             return
         if chunk.state == UNREADABLE:  # its create may have made a batch that was not found
             raise FatalError(
-                f"chunk {number}'s create got an answer batchrun cannot read, and no batch with "
-                "its metadata is listed: look at the provider before paying again; `resume "
+                f"chunk {number}'s create may have made a batch (its answer, or the look for it, "
+                "failed) and none with its metadata is listed: look at the provider before "
+                "paying again; `resume "
                 f"{self.name} --mode online` sends its lines as ordinary requests"
             )
         content, uploaded = b"".join(encoded), False
@@ -190,7 +191,7 @@ class HostedRun:
         provider, so it is looked for before it is tried again. None when the chunk's lease
         ran out meanwhile and another run holds it (an upload or an outage that took longer
         than the lease): that run creates it. Each create renews the lease."""
-        started, wait = time.monotonic(), 1.0
+        started, wait, uncertain = time.monotonic(), 1.0, False
         while True:
             if not self.store.take(self.name, chunk.chunk, owner=self.owner, lease=LEASE_S):
                 return None
@@ -200,9 +201,18 @@ class HostedRun:
                 if time.monotonic() - started > self.spec.outage_timeout:
                     raise
                 pause = min(300.0, exc.retry_after or wait)
+            except (PermanentError, FatalError) as exc:
+                if not uncertain:
+                    raise  # refused: no batch was made
+                raise Unreadable(f"after a create that may have made the batch: {exc}") from None
+            # The create may have reached the provider: from here no error gives lines back.
+            uncertain = True
             await anyio.sleep(pause)
             wait = min(30.0, wait * 2)
-            found = await self._patiently(lambda: self.api.find(meta, chunk.created_at))
+            try:
+                found = await self._patiently(lambda: self.api.find(meta, chunk.created_at))
+            except (PermanentError, FatalError) as exc:
+                raise Unreadable(f"after a create that may have made the batch: {exc}") from None
             if found is not None:
                 return found
 
@@ -244,7 +254,7 @@ class HostedRun:
             raise FatalError(
                 f"batch {batch_id} (chunk {chunk.chunk}) is not found with this key at this "
                 f"URL ({exc}); its lines stay batched: if it is gone for good, `batchrun "
-                f"cancel {self.name}` puts them back to pending"
+                f"cancel {self.name} --forget` puts them back to pending"
             ) from None
         status = batch.get("status")
         if status not in FINISHED + RUNNING:

@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 
 from batchrun.backends import Completion, CompletionRequest
-from batchrun.errors import BadRequest, FatalError, NotFound, RequestError
+from batchrun.errors import BadRequest, FatalError, NotFound, PermanentError, RequestError
 from batchrun.fleet import Fleet, Lane, Rerouted
 from batchrun.inputs import estimate_tokens
 from batchrun.ledger import ClaimedItem, ItemResult
@@ -139,10 +139,15 @@ class Sender:
                     slot.failed(exc)
                     kind = type(exc).__name__
                     log_attempt("error", http_status=exc.status, error_kind=kind, error=str(exc))
-                    # a 404 to a line's own model is that line's, not the endpoint's
-                    own = isinstance(exc, NotFound) and "model" in item.body
+                    # a 404 to the line's own model or API kind is that line's, not the endpoint's
+                    own = isinstance(exc, NotFound) and _asked_itself(item, lane)
                     if isinstance(exc, FatalError) and not own and fleet.take_out(lane, exc):
                         raise Rerouted(f"{lane.name} left the job: {exc}") from None
+                    if (own or isinstance(exc, BadRequest)) and fleet.only is None:
+                        if fleet.refused(lane, item.line):  # another endpoint may take it
+                            raise Rerouted(f"{lane.name} refused it: {exc}") from None
+                        if own:  # every endpoint refused the line: it fails, not the job
+                            raise PermanentError(str(exc)) from None
                     raise
                 except anyio.get_cancelled_exc_class():  # a second Ctrl-C: stopped unanswered
                     log_attempt("cancelled", error="the run was stopped before the answer came")
@@ -250,6 +255,11 @@ class Sender:
             answered_by=self._named(lane),
             answer_spec=lane.answer_spec,
         )
+
+
+def _asked_itself(item: ClaimedItem, lane: Lane) -> bool:
+    """Whether the line chose its model or API kind itself (not the endpoint's or the job's)."""
+    return "model" in item.body or item.endpoint != lane.route.spec.endpoint
 
 
 def _completion_of(previous: dict[str, Any]) -> Completion:

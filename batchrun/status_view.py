@@ -9,8 +9,8 @@ from batchrun.ledger import STATUSES, Job, Ledger, Worker, left
 from batchrun.run_state import LEASE_TTL
 
 
-def _state(counts: dict[str, int], attempts: int, live: list[Worker], total: int) -> str:
-    if sum(counts.values()) < total:  # gc took the rest
+def _state(counts: dict[str, int], attempts: int, live: list[Worker], job: Job) -> str:
+    if job.collected_at is not None or sum(counts.values()) < job.total:  # gc took the rest
         return f"collected by gc ({sum(counts.values()):,} answers kept for reuse)"
     if len(live) == 1:
         return f"running (pid {live[0].pid} on {live[0].host})"
@@ -28,7 +28,7 @@ def jobs_table(ledger: Ledger) -> list[dict[str, Any]]:
     rows = []
     for job in ledger.list_jobs():
         counts = ledger.counts(job.name)
-        state = _state(counts, ledger.attempts(job.name), _live(ledger, job), job.total)
+        state = _state(counts, ledger.attempts(job.name), _live(ledger, job), job)
         rows.append({"job": job.name, "state": state, "total": job.total, **counts})
     return rows
 
@@ -41,7 +41,7 @@ def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
     workers = ledger.workers(job.name)
     return {
         "job": job.name,
-        "state": _state(counts, stats["attempts"], _live(ledger, job), job.total),
+        "state": _state(counts, stats["attempts"], _live(ledger, job), job),
         "input": job.input_path,
         "input_digest": job.input_digest,
         "total": job.total,

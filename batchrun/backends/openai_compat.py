@@ -72,6 +72,7 @@ class OpenAICompatBackend:
             kind: httpx.URL(self.base_url + path) for kind, path in ENDPOINT_PATHS.items()
         }
         self._host = httpx.URL(self.base_url).netloc  # every request's: httpcore's pool needs it
+        self._userinfo = httpx.URL(self.base_url).userinfo.decode()  # user:password: a secret
         # Requests sent again because their pooled connection was found closed (see
         # _complete_once): not attempts, so nothing else counts them.
         self.stale_resends = 0
@@ -289,12 +290,11 @@ class OpenAICompatBackend:
         return f"{text} ({url})" if url else text
 
     def _scrub(self, error: RequestError) -> RequestError:
-        """Make sure a server that echoes the key back cannot leak it through our messages.
-
-        Applied once, where errors leave this class, so no message built inside can escape it.
-        """
-        if self._api_key:
-            error.args = (hide_secret(str(error), self._api_key),)
+        """Make sure the key (or a user:password in the URL) cannot leak through our messages,
+        echoed by a server or in a URL: applied once, where errors leave this class."""
+        for secret in (self._api_key, self._userinfo):
+            if secret:
+                error.args = (hide_secret(str(error), secret),)
         return error
 
 

@@ -137,7 +137,12 @@ class ChunkStore:
         another live run holds it: two runs never create batches for the same chunk at once.
         A holder is gone when its lease ran out, or when its process is (same machine)."""
         now = time.time()
-        where = (chunks.c.job == job, chunks.c.chunk == chunk, chunks.c.batch_id.is_(None))
+        where = (
+            chunks.c.job == job,
+            chunks.c.chunk == chunk,
+            chunks.c.batch_id.is_(None),
+            chunks.c.state.not_in(CLOSED),  # closed by another run meanwhile: its lines gone
+        )
         with self._ledger._write("taking a batch") as conn:
             row = conn.execute(select(chunks.c.owner, chunks.c.lease_until).where(*where)).first()
             if row is None:
@@ -160,24 +165,28 @@ class ChunkStore:
 
     def created(self, job: str, chunk: int, batch_id: str, state: Any) -> bool:
         """Record the chunk's batch, unless another batch is recorded for it already (another
-        run, its lease over this one's, created one first): False then."""
+        run, its lease over this one's, created one first) or the chunk was closed (its lines
+        given back, by a run that took it over): False then."""
         with self._ledger._write("recording a batch") as conn:
             done = conn.execute(
                 update(chunks)
                 .where(chunks.c.job == job, chunks.c.chunk == chunk)
                 .where(or_(chunks.c.batch_id.is_(None), chunks.c.batch_id == batch_id))
+                .where(chunks.c.state.not_in(CLOSED))
                 .values(batch_id=batch_id, state=str(state), updated_at=time.time())
             ).rowcount
         return bool(done)
 
     def note(self, job: str, chunk: int, **values: Any) -> None:
-        """Record what is known of a chunk: input_file, batch_id, state, counts."""
+        """Record what is known of an open chunk: input_file, batch_id, state, counts (one
+        another run closed meanwhile stays closed: its lines were given back)."""
         if "counts" in values:
             values["counts"] = orjson.dumps(values["counts"]).decode()
         with self._ledger._write("noting a batch") as conn:
             conn.execute(
                 update(chunks)
                 .where(chunks.c.job == job, chunks.c.chunk == chunk)
+                .where(chunks.c.state.not_in(CLOSED))
                 .values(updated_at=time.time(), **values)
             )
 

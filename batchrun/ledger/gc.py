@@ -56,5 +56,7 @@ def collect(conn: Connection, *, before: float, everything: bool, ttl: float) ->
         conn.execute(delete(chunks).where(chunks.c.job == name))
         if everything:
             conn.execute(delete(jobs).where(jobs.c.name == name))
+        else:
+            conn.execute(update(jobs).where(jobs.c.name == name).values(collected_at=now))
         collected.append(name)
     return Collected(collected, removed, kept, running)

@@ -116,6 +116,11 @@ def _v9_worker_leases(conn: Connection) -> None:
         conn.execute(text("ALTER TABLE workers ADD COLUMN lease FLOAT"))
 
 
+def _v10_collected_jobs(conn: Connection) -> None:
+    if "collected_at" not in {c["name"] for c in inspect(conn).get_columns("jobs")}:
+        conn.execute(text("ALTER TABLE jobs ADD COLUMN collected_at FLOAT"))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "initial jobs and items", _v1_initial),
     (2, "jobs.limit_history for --concurrency auto", _v2_limit_history),
@@ -130,6 +135,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (7, "items.chunk and chunks: hosted Batch API batches", _v7_hosted_batches),
     (8, "items.extra_*_tokens: paid tokens no answer shows, for budgets", _v8_extra_tokens),
     (9, "workers.lease: each worker judged by its own", _v9_worker_leases),
+    (10, "jobs.collected_at: a job gc kept only answers of", _v10_collected_jobs),
 ]
 
 

@@ -42,6 +42,7 @@ class Job:
     runner_host: str | None
     runner_heartbeat: float | None
     limit_history: list[LimitMove] = field(default_factory=list)
+    collected_at: float | None = None  # when `gc` kept only its answers for reuse
 
 
 @dataclass(frozen=True, slots=True)

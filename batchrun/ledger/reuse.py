@@ -82,12 +82,23 @@ def still_waiting(conn: Connection, job: str) -> int:
     )
 
 
-def any_waiting(conn: Connection, job: str) -> bool:
-    """Whether a pending line waits for another line's answer."""
-    waiting_line = select(items.c.line).where(
-        items.c.job == job, items.c.status == "pending", items.c.dup_of.is_not(None)
+def waiting_on(conn: Connection, job: str) -> tuple[bool, bool]:
+    """Of the pending lines that wait for another line's answer: whether one waits for a line
+    already final (a stray: see settle_strays), and whether one waits for a line still to be
+    answered here (pending or running; not one at a hosted batch, which no online run ends).
+    A read, driven by the waiting lines."""
+    leader = items.alias("leader")
+    waits = and_(
+        items.c.job == job,
+        items.c.status == "pending",
+        items.c.dup_of.is_not(None),
+        leader.c.job == job,
+        leader.c.line == items.c.dup_of,
     )
-    return conn.execute(waiting_line.limit(1)).first() is not None
+    stray = exists().where(waits, leader.c.status.in_(FINAL_STATUSES))
+    coming = exists().where(waits, leader.c.status.in_(("pending", "running")))
+    found = conn.execute(select(stray, coming)).one()
+    return bool(found[0]), bool(found[1])
 
 
 def settle_strays(conn: Connection, job: str, now: float) -> int:
@@ -97,15 +108,12 @@ def settle_strays(conn: Connection, job: str, now: float) -> int:
     fan_out saw no line waiting, and the line would wait for ever. Run when nothing is left
     to claim, so a job always ends."""
     leader = items.alias("leader")
-    final = (
-        select(leader.c.line, *(leader.c[c].label(c) for c in COPIED))
-        .where(leader.c.job == job, leader.c.status.in_(FINAL_STATUSES))
-        .subquery("final")
-    )
     copy = (
         update(items)
-        .where(items.c.job == job, items.c.status == "pending", items.c.dup_of == final.c.line)
-        .values(updated_at=now, **{c: final.c[c] for c in COPIED})
+        .where(items.c.job == job, items.c.status == "pending", items.c.dup_of.is_not(None))
+        .where(leader.c.job == job, leader.c.line == items.c.dup_of)
+        .where(leader.c.status.in_(FINAL_STATUSES))
+        .values(updated_at=now, **{c: leader.c[c] for c in COPIED})
     )
     return int(conn.execute(copy).rowcount)
 

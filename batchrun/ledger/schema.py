@@ -54,6 +54,8 @@ jobs = Table(
     Column("runner_heartbeat", Float),
     # The adaptive concurrency's last changes, JSON [[epoch, limit, reason], ...] (migration 2).
     Column("limit_history", Text),
+    # When `gc` kept only its answers for reuse (migration 10): never run or exported again.
+    Column("collected_at", Float),
 )
 
 # The processes that run a job together (migration 4): each joins with a row, proves it is alive

@@ -21,10 +21,8 @@ def item_stats(conn: Connection, name: str) -> dict[str, Any]:
     )
     totals = conn.execute(
         select(
-            func.sum(_paid(items.c.prompt_tokens, items.c.extra_prompt_tokens)).filter(paid),
-            func.sum(_paid(items.c.completion_tokens, items.c.extra_completion_tokens)).filter(
-                paid
-            ),
+            _paid(items.c.prompt_tokens, items.c.extra_prompt_tokens, paid),
+            _paid(items.c.completion_tokens, items.c.extra_completion_tokens, paid),
             func.sum(items.c.attempts),
             func.sum(items.c.repairs),
             func.sum(items.c.repair_prompt_tokens),
@@ -49,8 +47,8 @@ def item_stats(conn: Connection, name: str) -> dict[str, Any]:
     errors = _commonest_errors(conn, name, None)
     invalid = _commonest_errors(conn, name, "invalid")
     return {
-        "prompt_tokens": int(totals[0] or 0),
-        "completion_tokens": int(totals[1] or 0),
+        "prompt_tokens": int(totals[0]),
+        "completion_tokens": int(totals[1]),
         "attempts": int(totals[2] or 0),
         "latency_ms": {
             "p50": _percentile(latencies, 0.50),
@@ -104,27 +102,22 @@ def _percentile(sorted_values: list[float], q: float) -> float | None:
     return float(sorted_values[index])
 
 
-def _paid(answer: Any, extra: Any) -> Any:
-    """An item's own tokens paid for: its answer's, and those no answer shows (`extra`)."""
-    return func.coalesce(answer, 0) + extra
+def _paid(answer: Any, extra: Any, paid: Any) -> Any:
+    """Tokens the job's items paid for themselves: their answers' (unless copied: reused, or
+    a repeat's), and those no answer shows (`extra`: paid whatever the line became since)."""
+    own = func.coalesce(func.sum(answer).filter(paid), 0)
+    return own + func.coalesce(func.sum(extra), 0)
 
 
 def paid_tokens(conn: Connection, name: str) -> tuple[int, int]:
     """Prompt and completion tokens the job paid for (repairs, answers a `retry` set aside and
     the estimates charged where no usage came, too; not reused answers)."""
     paid = and_(items.c.reused_job.is_(None), items.c.dup_of.is_(None))
-
-    def total(answer: Any, extra: Any, repairs: Any) -> Any:
-        own = func.coalesce(func.sum(_paid(answer, extra)).filter(paid), 0)
-        return own + func.coalesce(func.sum(repairs), 0)
-
     query = select(
-        total(items.c.prompt_tokens, items.c.extra_prompt_tokens, items.c.repair_prompt_tokens),
-        total(
-            items.c.completion_tokens,
-            items.c.extra_completion_tokens,
-            items.c.repair_completion_tokens,
-        ),
+        _paid(items.c.prompt_tokens, items.c.extra_prompt_tokens, paid)
+        + func.coalesce(func.sum(items.c.repair_prompt_tokens), 0),
+        _paid(items.c.completion_tokens, items.c.extra_completion_tokens, paid)
+        + func.coalesce(func.sum(items.c.repair_completion_tokens), 0),
     ).where(items.c.job == name)
     row = conn.execute(query).one()
     return int(row[0] or 0), int(row[1] or 0)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, bindparam, func, select, update
+from sqlalchemy import Connection, Engine, and_, bindparam, case, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from batchrun.errors import EmptyInput, InputError, JobExists
@@ -217,11 +217,11 @@ class Ledger:
         with self._read("looking for unfinished work") as conn:
             if workers.more_may_come(conn, name, worker):
                 return True
-            if not reuse.any_waiting(conn, name):
-                return False
-        with self._write("answering repeated lines") as conn:  # strays: see settle_strays
-            reuse.settle_strays(conn, name, time.time())
-        return True
+            stray, coming = reuse.waiting_on(conn, name)
+        if stray:  # a write only when one is there (see settle_strays)
+            with self._write("answering repeated lines") as conn:
+                reuse.settle_strays(conn, name, time.time())
+        return stray or coming
 
     def live_workers(self, name: str, *, ttl: float) -> int:
         with self._read("counting workers") as conn:
@@ -348,10 +348,9 @@ class Ledger:
                     output=None,
                     parsed=None,
                     finish_reason=None,
-                    extra_prompt_tokens=items.c.extra_prompt_tokens
-                    + func.coalesce(items.c.prompt_tokens, 0),
+                    extra_prompt_tokens=items.c.extra_prompt_tokens + _own(items.c.prompt_tokens),
                     extra_completion_tokens=items.c.extra_completion_tokens
-                    + func.coalesce(items.c.completion_tokens, 0),
+                    + _own(items.c.completion_tokens),
                     prompt_tokens=None,
                     completion_tokens=None,
                     updated_at=now,
@@ -409,3 +408,9 @@ class Ledger:
         """Token totals, latency percentiles and the commonest errors, for `status`."""
         with self._read("reading stats") as conn:
             return stats.item_stats(conn, name)
+
+
+def _own(tokens: Any) -> Any:
+    """An item's tokens if its own request paid them (not copied from another line's answer)."""
+    copied = or_(items.c.reused_job.is_not(None), items.c.dup_of.is_not(None))
+    return case((copied, 0), else_=func.coalesce(tokens, 0))

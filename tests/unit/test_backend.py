@@ -647,6 +647,18 @@ async def test_echoed_key_does_not_leak(handler: Handler) -> None:
 
 
 @pytest.mark.anyio
+async def test_a_password_in_the_url_never_reaches_an_error() -> None:
+    def refused(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    url = "http://bob:hunter2secret@127.0.0.1:9/v1"
+    for handler in (refused, error_json(404, "no route")):  # messages that name the URL
+        backend = OpenAICompatBackend(url, transport=httpx.MockTransport(handler))
+        exc = await fails_with(backend, chat())
+        assert "127.0.0.1:9" in str(exc) and "hunter2secret" not in str(exc)
+
+
+@pytest.mark.anyio
 async def test_echoed_key_in_list_models_does_not_leak() -> None:
     backend = mock_backend(_echo_status(401), api_key=KEY)
     try:

@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import text
 
 from batchrun import jobs
 from batchrun.budget import Budget, BudgetReached
@@ -129,3 +130,7 @@ def test_tokens_of_answers_a_retry_set_aside_stay_paid(tmp_path: Path) -> None:
     assert ledger.item_stats("j")["prompt_tokens"] == 17
     (stored,) = ledger.iter_results("j")
     assert (stored.prompt_tokens, stored.completion_tokens) == (7, 3)  # the answer's own usage
+    assert ledger.requeue("j", ("done",)) == 1
+    with ledger.engine.begin() as conn:  # then answered by a copy (reuse, or a repeat's)
+        conn.execute(text("UPDATE items SET status='done', prompt_tokens=1, reused_job='old'"))
+    assert ledger.paid_tokens("j") == (17, 8)  # what it paid stays paid

@@ -47,7 +47,8 @@ class Hosts(httpx.AsyncBaseTransport):
         host = request.url.host
         if request.method == "POST":
             self.posts[host] += 1
-            prompt = json.loads(request.content)["messages"][-1]["content"]
+            body = json.loads(request.content)
+            prompt = body["messages"][-1]["content"] if "messages" in body else body["prompt"]
             self.sent.append((host, prompt))
             hook = self.hooks.get(host)
             answer = hook(request, self.posts[host]) if hook else None
@@ -529,3 +530,56 @@ async def test_items_waiting_for_a_slot_are_sent_in_their_turn(tmp_path: Path) -
     assert sorted(sent) == list(range(200))
     late = max(at - line for at, line in enumerate(sent))
     assert late <= 8  # a request waits behind at most the others then in flight or waiting
+
+
+@pytest.mark.anyio
+async def test_an_endpoint_that_refuses_everything_at_once_fails_no_item(
+    tmp_path: Path,
+) -> None:
+    def too_long(request: httpx.Request, n: int) -> httpx.Response:  # a smaller context, say
+        return httpx.Response(400, json={"error": {"message": "maximum context length is 4096"}})
+
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, {"a.test": too_long})
+    ledger, stats = await run(tmp_path, hosts, endpoints=endpoints("a", "b"))
+    assert ledger.counts("j")["done"] == 40 and stats.aborted is None
+    assert answered_by(ledger) == {"b": 40}  # each refused by a, at most once, then sent to b
+    assert {u.name: u.errors for u in stats.endpoints}["a"] == hosts.posts["a.test"]
+
+
+@pytest.mark.anyio
+async def test_a_404_to_a_lines_own_model_fails_that_line_not_the_job(tmp_path: Path) -> None:
+    strict = {"a.test": SimConfig(models=("m-a",), strict_models=True)}
+    strict["b.test"] = SimConfig(models=("m-b",), strict_models=True)
+    rows = [
+        {"id": f"p{i}", "prompt": f"prompt number {i}", **({"model": "m-b"} if i < 5 else {})}
+        for i in range(20)
+    ]
+    rows[5]["model"] = "m-nowhere"  # no endpoint has it
+    ends = ["a=http://a.test/v1,model=m-a", "b=http://b.test/v1,model=m-b"]
+    ledger, stats = await run(tmp_path, Hosts(strict), lines=rows, model=None, endpoints=ends)
+    assert stats.aborted is None
+    results = {item.item_id: item for item in ledger.iter_results("j")}
+    assert all(results[f"p{i}"].answered_by == "b" for i in range(5))  # where m-b is
+    assert results["p5"].status == "failed" and "m-nowhere" in (results["p5"].error or "")
+    assert ledger.counts("j")["done"] == 19
+    assert all(u.state == "up" for u in stats.endpoints)  # neither taken out by a line's own
+
+
+@pytest.mark.anyio
+async def test_a_line_asking_an_api_an_endpoint_lacks_does_not_take_it_out(
+    tmp_path: Path,
+) -> None:
+    def chat_only(request: httpx.Request, n: int) -> httpx.Response | None:
+        if request.url.path.endswith("/completions") and "/chat/" not in request.url.path:
+            return httpx.Response(404, json={"error": {"message": "no route"}})
+        return None
+
+    rows: list[dict[str, Any]] = [{"id": f"p{i}", "prompt": f"prompt {i}"} for i in range(20)]
+    rows[3] = {"custom_id": "c3", "method": "POST", "url": "/v1/completions"}
+    rows[3]["body"] = {"prompt": "complete this"}  # a line of its own API kind
+    hooks = {"a.test": chat_only, "b.test": chat_only}
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, hooks)
+    ledger, stats = await run(tmp_path, hosts, lines=rows, endpoints=endpoints("a", "b"))
+    assert stats.aborted is None and all(u.state == "up" for u in stats.endpoints)
+    counts = ledger.counts("j")
+    assert counts["done"] == 19 and counts["failed"] == 1  # that line alone: no one serves it

@@ -16,7 +16,7 @@ import pytest
 
 from batchrun import batch_mode, hosted, jobs
 from batchrun.config import resolve
-from batchrun.errors import AuthFailed
+from batchrun.errors import AuthFailed, FatalError
 from batchrun.jobs import Home
 from batchrun.ledger import Ledger, chunks
 from batchrun.run_state import RunStats
@@ -149,13 +149,13 @@ async def test_a_create_answer_it_cannot_read_is_never_created_again(
     for _run in range(2):  # the batch may exist, paid for: a second run makes no other
         stats = await run(ledger, home, spec, Rewritten(model, _wrapped))
         assert stats.aborted is not None and ledger.counts("j")["batched"] == 6
-    assert model.batches.created == 1 and "cannot read" in stats.aborted
+    assert model.batches.created == 1 and "may have made a batch" in stats.aborted
     online = await run(ledger, home, replace(spec, mode="online"), Rewritten(model, _wrapped))
     assert online.aborted is None and ledger.counts("j")["done"] == 6
 
 
 @pytest.mark.anyio
-async def test_a_404_while_polling_keeps_the_lines_until_cancel_says_the_batch_is_gone(
+async def test_a_404_while_polling_keeps_the_lines_until_the_user_says_the_batch_is_gone(
     tmp_path: Path,
 ) -> None:
     def gone(m: str, p: str, n: int, r: httpx.Response) -> httpx.Response | None:
@@ -168,7 +168,12 @@ async def test_a_404_while_polling_keeps_the_lines_until_cancel_says_the_batch_i
     assert stats.aborted is not None and "not found" in stats.aborted
     assert ledger.counts("j")["batched"] == 6 and model.requests == 0  # not sent a second time
     (chunk,) = ledger.chunks.listed("j")
-    cancelled = await batch_mode.cancel_batches(ledger, "j", spec, transport=Rewritten(model, gone))
+    with pytest.raises(FatalError, match="--forget"):  # a wrong key says 404 too
+        await batch_mode.cancel_batches(ledger, "j", spec, transport=Rewritten(model, gone))
+    assert ledger.counts("j")["batched"] == 6
+    cancelled = await batch_mode.cancel_batches(
+        ledger, "j", spec, forget=True, transport=Rewritten(model, gone)
+    )
     assert cancelled == [chunk.batch_id] and ledger.counts("j")["pending"] == 6
 
 
@@ -277,3 +282,48 @@ async def test_a_run_whose_lease_ran_out_while_uploading_makes_no_second_batch(
         tg.start_soon(later)
         await run(ledger, home, spec, Rewritten(model, same, upload_s=2.0))
     assert model.batches.created == 1 and ledger.counts("j")["done"] == 6
+
+
+@pytest.mark.anyio
+async def test_a_run_whose_lease_ran_out_never_reopens_a_chunk_another_run_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(hosted, "LEASE_S", 0.5)  # stands for 15 minutes
+    monkeypatch.setattr(chunks, "_alive", lambda _owner: False)  # the online run has ended
+    ledger, home, spec = load(tmp_path, 6)
+    model = sim(batch_seconds=0.2)
+
+    async def online() -> None:
+        await anyio.sleep(1.0)  # the uploading run's lease is over: it gives the lines back
+        await run(ledger, home, replace(spec, mode="online"), SimTransport(model))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(online)
+        await run(ledger, home, spec, Rewritten(model, same, upload_s=2.0))
+    # each line answered once: online, or in a new batch of what online had not claimed yet
+    assert model.requests == 6 and ledger.counts("j")["done"] == 6
+    first = ledger.chunks.listed("j")[0]
+    assert first.lines == 6 and first.batch_id is None  # the old chunk stays closed
+
+
+@pytest.mark.parametrize("listed", ["not JSON", "404"])
+@pytest.mark.anyio
+async def test_a_failed_look_after_an_uncertain_create_keeps_the_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, listed: str
+) -> None:
+    def uncertain(m: str, p: str, n: int, r: httpx.Response) -> httpx.Response | None:
+        if (m, p) == ("POST", "/v1/batches") and n == 1:  # made, but answered 502
+            return httpx.Response(502, json={"error": {"message": "bad gateway"}})
+        if (m, p) == ("GET", "/v1/batches"):
+            if listed == "404":
+                return httpx.Response(404, json={"error": {"message": "no"}})
+            return httpx.Response(200, text="<html>")
+        return None
+
+    monkeypatch.setattr(chunks, "_alive", lambda _owner: False)  # each run a process of its own
+    ledger, home, spec = load(tmp_path, 6)
+    model = sim()
+    for _run in range(2):
+        stats = await run(ledger, home, spec, Rewritten(model, uncertain))
+        assert stats.aborted is not None and ledger.counts("j")["batched"] == 6
+    assert model.batches.created == 1  # never a second one for the same lines

@@ -358,6 +358,15 @@ def test_a_job_gc_collected_is_never_run_or_exported_as_if_whole(tmp_path: Path)
             again()
     fresh = batchrun.submit(path, job="weekly-2", max_tokens=20, **options)
     assert fresh.counts["done"] == 8 and fresh.stats.reused == report.counts["done"]
+    whole = batchrun.submit([{"prompt": "other"}], job="whole", **options)
+    assert whole.counts["done"] == 1
+    ledger = Ledger(Home.at(tmp_path, None).ledger_url)
+    age_jobs(ledger)  # a job whose every line its own request answered: all of it kept
+    ledger.close()
+    assert "whole" in batchrun.gc("30d", home=tmp_path).jobs
+    assert batchrun.status("whole", home=tmp_path)["state"].startswith("collected by gc")
+    with pytest.raises(UsageError, match="collected by `gc`"):
+        batchrun.export("whole", home=tmp_path)
 
 
 def test_a_line_left_waiting_for_a_leader_already_answered_is_answered_at_the_end(
@@ -390,3 +399,15 @@ def test_postgresql_knows_a_loaded_jobs_size_before_reuse_plans_on_it(
     # The planner's estimate, not a count: before the load was analysed it took the table for
     # empty, and joined a job's items by nested loops (minutes for 20,000 lines).
     assert estimated is not None and estimated >= 3000
+
+
+def test_a_line_waiting_for_a_line_at_a_hosted_batch_does_not_hold_an_online_run(
+    ledger: Ledger,
+) -> None:
+    load(ledger, "j", ["x", "y", "x"])
+    ledger.prepare_reuse("j", SPEC_A, reuse_since=None, earlier=False)
+    with ledger.engine.begin() as conn:  # line 1 went out in a batch that is still running
+        conn.execute(text("UPDATE items SET status='batched', chunk=1 WHERE job='j' AND line=1"))
+    assert answer_all(ledger, "j", SPEC_A) == [2]
+    assert ledger.more_may_come("j", "w") is False  # the batch's collection answers line 3
+    assert outputs(ledger, "j")[2] == ("pending", None, None)
