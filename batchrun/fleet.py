@@ -181,7 +181,7 @@ class Fleet:
         while True:
             self.check()
             queued = came and (self._waiters or self._woken)
-            lane = None if queued else self._take(group, self._refused.get(key, ()))
+            lane = None if queued else self._take(group, self._refusers(key))
             if lane is not None:
                 lane.sent += 1
                 self._sent_to[key] = lane
@@ -204,6 +204,15 @@ class Fleet:
                     self._woken -= 1
                 else:
                     self._waiters.remove(waiter)
+
+    def _refusers(self, key: Hashable) -> Collection[Lane]:
+        """The lanes an item is kept from: those that refused it, unless every other lane has
+        left the job since (then it goes to one that refused it, and fails there)."""
+        refused = self._refused.get(key, ())
+        if refused and all(lane.state == "out" for lane in self.lanes if lane not in refused):
+            del self._refused[key]
+            return ()
+        return refused
 
     def _take(self, group: int | None, refused: Collection[Lane]) -> Lane | None:
         now = self.clock()
@@ -320,7 +329,7 @@ class Fleet:
         out, and another is up to take it."""
         if self.only is not None:
             return False
-        if key in self._refused:
+        if self._sent_to.get(key) in self._refused.get(key, ()):  # its latest lane refused it
             return True
         lane = self._sent_to.get(key)
         return (
@@ -356,6 +365,12 @@ class Fleet:
             raise EndpointDown(
                 f"every endpoint unreachable for over {self.grace:g}s; last errors: {errors}"
             )
+
+    def forget(self, key: Hashable) -> None:
+        """The item is over (a result, or given up): nothing about it is kept."""
+        self._sent_to.pop(key, None)
+        self._free.pop(key, None)
+        self._refused.pop(key, None)
 
     def refused(self, lane: Lane, key: Hashable) -> bool:
         """`lane` refused the item's request (a 400; a 404 to a model or API the line asked for

@@ -199,6 +199,8 @@ class HostedRun:
                 return await self.api.create(file_id, endpoint, meta)
             except TransientError as exc:
                 if time.monotonic() - started > self.spec.outage_timeout:
+                    if uncertain:  # an earlier create may have made it: never given back
+                        raise Unreadable(f"after a create that may have made it: {exc}") from None
                     raise
                 pause = min(300.0, exc.retry_after or wait)
             except (PermanentError, FatalError) as exc:
@@ -211,7 +213,7 @@ class HostedRun:
             wait = min(30.0, wait * 2)
             try:
                 found = await self._patiently(lambda: self.api.find(meta, chunk.created_at))
-            except (PermanentError, FatalError) as exc:
+            except RequestError as exc:  # refused, unreadable, or down past --outage-timeout
                 raise Unreadable(f"after a create that may have made the batch: {exc}") from None
             if found is not None:
                 return found

@@ -79,6 +79,9 @@ class Sender:
                 del self._warming[item.line]
         except _Stopped:
             return None
+        finally:
+            if self.fleet.only is None:
+                self.fleet.forget(item.line)
 
     async def _process(self, item: ClaimedItem, warm: anyio.Event | None) -> ItemResult | None:
         body = {**self.defaults, **item.body}

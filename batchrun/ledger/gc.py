@@ -28,7 +28,10 @@ class Collected:
 
 
 def collect(conn: Connection, *, before: float, everything: bool, ttl: float) -> Collected:
-    old = conn.execute(select(jobs.c.name).where(jobs.c.updated_at < before)).scalars().all()
+    untouched = select(jobs.c.name).where(jobs.c.updated_at < before)
+    if not everything:  # a job collected already has nothing more to give
+        untouched = untouched.where(jobs.c.collected_at.is_(None))
+    old = conn.execute(untouched).scalars().all()
     now = workers.db_now(conn)
     collected: list[str] = []
     running: list[str] = []

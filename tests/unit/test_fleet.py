@@ -583,3 +583,48 @@ async def test_a_line_asking_an_api_an_endpoint_lacks_does_not_take_it_out(
     assert stats.aborted is None and all(u.state == "up" for u in stats.endpoints)
     counts = ledger.counts("j")
     assert counts["done"] == 19 and counts["failed"] == 1  # that line alone: no one serves it
+
+
+P3 = b'prompt number 3"'
+
+
+def refused_first(second: Hook) -> dict[str, Hook]:
+    """Whichever host gets line 3 first refuses it (a 400); the other answers it by `second`."""
+    first: list[str] = []
+
+    def hook(request: httpx.Request, n: int) -> httpx.Response | None:
+        if P3 in request.content:
+            first.extend([] if first else [request.url.host])
+            if request.url.host == first[0]:
+                return httpx.Response(400, json={"error": {"message": "context is 4096"}})
+            return second(request, n)
+        return None
+
+    return {"a.test": hook, "b.test": hook}
+
+
+@pytest.mark.anyio
+async def test_a_refused_line_whose_other_endpoints_left_the_job_fails_and_the_job_ends(
+    tmp_path: Path,
+) -> None:
+    def revoked(request: httpx.Request, n: int) -> httpx.Response:  # a key revoked mid-run
+        return httpx.Response(401, json={"error": {"message": "invalid api key"}})
+
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, refused_first(revoked))
+    with anyio.fail_after(30):
+        ledger, stats = await run(tmp_path, hosts, n=10, endpoints=endpoints("a", "b"))
+    counts = ledger.counts("j")
+    assert counts["done"] == 9 and counts["failed"] == 1 and stats.aborted is None
+
+
+@pytest.mark.anyio
+async def test_after_a_refusal_the_other_endpoints_retry_after_is_still_waited(
+    tmp_path: Path,
+) -> None:
+    def busy(request: httpx.Request, n: int) -> httpx.Response:
+        return httpx.Response(429, headers={"retry-after": "20"}, json={"error": {"message": "!"}})
+
+    fake = FakeTime()
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, refused_first(busy))
+    await run(tmp_path, hosts, n=10, max_attempts=3, fake=fake, endpoints=endpoints("a", "b"))
+    assert fake.sleeps.count(20) >= 2  # not sent again at once on the endpoint that said wait

@@ -306,24 +306,31 @@ async def test_a_run_whose_lease_ran_out_never_reopens_a_chunk_another_run_close
     assert first.lines == 6 and first.batch_id is None  # the old chunk stays closed
 
 
-@pytest.mark.parametrize("listed", ["not JSON", "404"])
+@pytest.mark.parametrize("listed", ["not JSON", "404", "down"])
 @pytest.mark.anyio
 async def test_a_failed_look_after_an_uncertain_create_keeps_the_lines(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, listed: str
 ) -> None:
+    runs: list[int] = []
+
     def uncertain(m: str, p: str, n: int, r: httpx.Response) -> httpx.Response | None:
         if (m, p) == ("POST", "/v1/batches") and n == 1:  # made, but answered 502
             return httpx.Response(502, json={"error": {"message": "bad gateway"}})
         if (m, p) == ("GET", "/v1/batches"):
+            if listed == "down" and len(runs) > 1:  # listed later, not yet (eventual)
+                return httpx.Response(200, json={"data": [], "has_more": False})
+            if listed == "down":  # past --outage-timeout
+                return httpx.Response(503, json={"error": {"message": "down"}})
             if listed == "404":
                 return httpx.Response(404, json={"error": {"message": "no"}})
             return httpx.Response(200, text="<html>")
         return None
 
     monkeypatch.setattr(chunks, "_alive", lambda _owner: False)  # each run a process of its own
-    ledger, home, spec = load(tmp_path, 6)
+    ledger, home, spec = load(tmp_path, 6, outage_timeout=0.5)
     model = sim()
-    for _run in range(2):
+    for run_number in (1, 2):
+        runs.append(run_number)
         stats = await run(ledger, home, spec, Rewritten(model, uncertain))
         assert stats.aborted is not None and ledger.counts("j")["batched"] == 6
     assert model.batches.created == 1  # never a second one for the same lines

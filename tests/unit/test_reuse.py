@@ -364,6 +364,7 @@ def test_a_job_gc_collected_is_never_run_or_exported_as_if_whole(tmp_path: Path)
     age_jobs(ledger)  # a job whose every line its own request answered: all of it kept
     ledger.close()
     assert "whole" in batchrun.gc("30d", home=tmp_path).jobs
+    assert "whole" not in batchrun.gc("30d", home=tmp_path).jobs  # collected once
     assert batchrun.status("whole", home=tmp_path)["state"].startswith("collected by gc")
     with pytest.raises(UsageError, match="collected by `gc`"):
         batchrun.export("whole", home=tmp_path)
