@@ -134,7 +134,7 @@ class HostedRun:
             None if fresh else await self._patiently(lambda: self.api.find(meta, chunk.created_at))
         )
         if found is not None:
-            if self.store.created(self.name, number, found["id"], found["status"]):
+            if self.store.created(self.name, number, found["id"], found.get("status")):
                 self.log.event("batch_adopted", chunk=number, batch=found["id"])
             return
         if not items:

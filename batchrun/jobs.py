@@ -103,7 +103,7 @@ def not_collected(led: Ledger, job: Job) -> None:
     """A job `gc` collected keeps only its answers for reuse: never run, exported or called
     complete again (its results would be a part passed off as the whole)."""
     kept = sum(led.counts(job.name).values())
-    if job.collected_at is not None or kept < job.total:
+    if job.collected(kept):
         raise UsageError(
             f"job {job.name!r} was collected by `gc`: {kept:,} of its {job.total:,} lines are "
             "kept, as answers for reuse, the rest and its results are gone; submit the file "

@@ -10,8 +10,9 @@ from batchrun.run_state import LEASE_TTL
 
 
 def _state(counts: dict[str, int], attempts: int, live: list[Worker], job: Job) -> str:
-    if job.collected_at is not None or sum(counts.values()) < job.total:  # gc took the rest
-        return f"collected by gc ({sum(counts.values()):,} answers kept for reuse)"
+    kept = sum(counts.values())
+    if job.collected(kept):
+        return f"collected by gc ({kept:,} answers kept for reuse)"
     if len(live) == 1:
         return f"running (pid {live[0].pid} on {live[0].host})"
     if live:

@@ -59,9 +59,7 @@ class BatchAPI:
                 f"{method} {response.request.url} did not answer an object with an id, as "
                 f"OpenAI's Batch API does: {response.content[:200]!r}"
             )
-        if isinstance(data.get("status"), str):
-            data["status"] = data["status"].lower()
-        return data
+        return _lowered(data)
 
     async def upload(self, name: str, content: bytes) -> str:
         files = {"file": (name, content, "application/jsonl")}
@@ -98,8 +96,7 @@ class BatchAPI:
                 found = batch.get("metadata")
                 named = isinstance(found, dict) and metadata.items() <= found.items()
                 if named and isinstance(batch.get("id"), str):
-                    batch["status"] = str(batch.get("status")).lower()
-                    return batch
+                    return _lowered(batch)
                 made = _epoch(batch.get("created_at"))
                 if made is not None and made < since - 3600:
                     return None
@@ -110,6 +107,13 @@ class BatchAPI:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def _lowered(batch: dict[str, Any]) -> dict[str, Any]:
+    """A batch (or file) with its `status` lower-cased: some copies of the API say COMPLETED."""
+    if isinstance(batch.get("status"), str):
+        batch["status"] = batch["status"].lower()
+    return batch
 
 
 def _listed(response: httpx.Response) -> tuple[list[dict[str, Any]], bool]:

@@ -46,9 +46,14 @@ def _v1_initial(conn: Connection) -> None:
 
 
 def _v2_limit_history(conn: Connection) -> None:
-    # A blank ledger got the column from v1's current table definition; an older one did not.
-    if "limit_history" not in {c["name"] for c in inspect(conn).get_columns("jobs")}:
-        conn.execute(text("ALTER TABLE jobs ADD COLUMN limit_history TEXT"))
+    _add_column(conn, "jobs", "limit_history", "TEXT")
+
+
+def _add_column(conn: Connection, table: str, column: str, kind: str) -> None:
+    """A column the table lacks (a blank ledger got it from the current table definition;
+    an older one did not)."""
+    if column not in {c["name"] for c in inspect(conn).get_columns(table)}:
+        conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {kind}"))
 
 
 def _v3_repair_costs(conn: Connection) -> None:
@@ -56,11 +61,9 @@ def _v3_repair_costs(conn: Connection) -> None:
 
 
 def _add_counts(conn: Connection, columns: tuple[str, ...]) -> None:
-    """Count columns of items, 0 on every row (a blank ledger has them from the table)."""
-    have = {c["name"] for c in inspect(conn).get_columns("items")}
+    """Count columns of items, 0 on every row."""
     for column in columns:
-        if column not in have:
-            conn.execute(text(f"ALTER TABLE items ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0"))
+        _add_column(conn, "items", column, "INTEGER NOT NULL DEFAULT 0")
 
 
 def _v4_workers(conn: Connection) -> None:
@@ -97,10 +100,8 @@ def _v6_endpoints_and_order(conn: Connection) -> None:
 
 
 def _v7_hosted_batches(conn: Connection) -> None:
-    have = {c["name"] for c in inspect(conn).get_columns("items")}
-    for column, kind in (("chunk", "INTEGER"), ("followup", "TEXT")):
-        if column not in have:
-            conn.execute(text(f"ALTER TABLE items ADD COLUMN {column} {kind}"))
+    _add_column(conn, "items", "chunk", "INTEGER")
+    _add_column(conn, "items", "followup", "TEXT")
     chunks.create(conn, checkfirst=True)
 
 
@@ -112,13 +113,11 @@ def _v8_extra_tokens(conn: Connection) -> None:
 
 
 def _v9_worker_leases(conn: Connection) -> None:
-    if "lease" not in {c["name"] for c in inspect(conn).get_columns("workers")}:
-        conn.execute(text("ALTER TABLE workers ADD COLUMN lease FLOAT"))
+    _add_column(conn, "workers", "lease", "FLOAT")
 
 
 def _v10_collected_jobs(conn: Connection) -> None:
-    if "collected_at" not in {c["name"] for c in inspect(conn).get_columns("jobs")}:
-        conn.execute(text("ALTER TABLE jobs ADD COLUMN collected_at FLOAT"))
+    _add_column(conn, "jobs", "collected_at", "FLOAT")
 
 
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [

@@ -44,6 +44,11 @@ class Job:
     limit_history: list[LimitMove] = field(default_factory=list)
     collected_at: float | None = None  # when `gc` kept only its answers for reuse
 
+    def collected(self, kept: int) -> bool:
+        """Whether `gc` collected it (`kept`: the items it holds now): marked so, or holding
+        fewer items than it loaded (collected before migration 10)."""
+        return self.collected_at is not None or kept < self.total
+
 
 @dataclass(frozen=True, slots=True)
 class ClaimedItem:

@@ -106,7 +106,7 @@ def settle_strays(conn: Connection, job: str, now: float) -> int:
     leader's answer is recorded, but on PostgreSQL a run marking repeats (mark_duplicates)
     can commit after another worker recorded a leader it had read as pending: that record's
     fan_out saw no line waiting, and the line would wait for ever. Run when nothing is left
-    to claim, so a job always ends."""
+    to claim (Ledger.more_may_come), so no such line is left waiting."""
     leader = items.alias("leader")
     copy = (
         update(items)

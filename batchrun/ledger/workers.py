@@ -231,7 +231,7 @@ def put_back_strays(conn: Connection, name: str, worker: str, held: set[int]) ->
 def more_may_come(conn: Connection, name: str, worker: str) -> bool:
     """Nothing was claimed: is there more? Items pending (put back behind the claims by a
     worker that left, or reclaimed), or held by other workers (they may come back); lines that
-    wait for another line's answer are not asked about here (reuse.still_waiting). A read."""
+    wait for another line's answer are not asked about here (reuse.waiting_on). A read."""
     left = or_(
         and_(items.c.status == "pending", items.c.dup_of.is_(None)),
         and_(items.c.status == "running", items.c.owner != worker),
