@@ -262,7 +262,9 @@ class Runner:
         # another item takes its place on the wire.
         slots = sum(route.spec.most_in_flight for route in self.routes)
         most = slots + max(4, slots // 4)
-        work_send, work_recv = anyio.create_memory_object_stream[ClaimedItem](most)
+        # The feeder bounds what is claimed; a bound here too would hold it back from its next
+        # claim until the last one were all taken, and the workers would wait on the ledger.
+        work_send, work_recv = anyio.create_memory_object_stream[ClaimedItem](math.inf)
         async with anyio.create_task_group() as workers:
             self._workers_scope = workers.cancel_scope
             workers.start_soon(self.feeder.run, work_send)

@@ -1,6 +1,6 @@
 """Loading input lines into the items table: fast batches, with a slow path for duplicates.
 
-The insert is compiled once and sent as plain tuples through the driver's executemany, which is
+The insert is compiled once and sent as plain tuples through the driver's executemany (driver.py),
 several times faster than SQLAlchemy's per-row parameter processing on a million lines. When the
 unique index on (job, item_id) refuses a batch, that batch is replayed row by row under savepoints
 to find which lines repeat an earlier id.
@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import Connection, select
 from sqlalchemy.exc import IntegrityError
 
+from batchrun.ledger.driver import Many
 from batchrun.ledger.records import BadLine, InputItem
 from batchrun.ledger.schema import items
 from batchrun.prefixes import Grouper, in_input_order
@@ -53,13 +54,7 @@ class Loader:
         self.rejected = 0
         self._batch: list[Row] = []
         self.grouper = Grouper()  # claim positions: long shared prefixes together
-        compiled = items.insert().compile(dialect=conn.dialect, column_keys=list(COLUMNS))
-        self._sql = str(compiled)
-        order = compiled.positiontup if compiled.positional else None
-        self._positional = order is not None
-        self._order: list[int] | None = None  # None: tuples already in the driver's order
-        if order is not None and order != list(COLUMNS):
-            self._order = [COLUMNS.index(name) for name in order]
+        self._insert_many = Many.compile(items.insert(), conn.dialect, COLUMNS)
 
     def add(self, entry: InputItem | BadLine) -> None:
         if isinstance(entry, BadLine):
@@ -102,12 +97,7 @@ class Loader:
         self.rejected += n_rejected
 
     def _insert(self, rows: list[Row]) -> None:
-        params: list[Any] = rows
-        if not self._positional:
-            params = [dict(zip(COLUMNS, row, strict=True)) for row in rows]
-        elif self._order is not None:
-            params = [tuple(row[i] for i in self._order) for row in rows]
-        self.conn.exec_driver_sql(self._sql, params)
+        self._insert_many.run(self.conn, rows)
 
     def _insert_one_by_one(self, batch: list[Row]) -> None:
         for row in batch:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import fields
+from operator import attrgetter
 from typing import Any
 
 import orjson
-from sqlalchemy import Row, RowMapping, bindparam
+from sqlalchemy import Row, RowMapping, Update, bindparam, literal_column, null, update
 
 from batchrun.ledger.records import ClaimedItem, ItemResult, Job, StoredItem
 from batchrun.ledger.schema import items
@@ -37,15 +38,49 @@ SUMMED = (
 )
 
 
-def result_values(now: float) -> dict[str, Any]:
-    """The columns a recorded ItemResult sets, from `b_<field>` parameters (`line` picks the
-    row): counts summed over runs, the rest replaced; no owner, no lease, no follow-up."""
+# ItemResult's fields as a recorded row holds them: its answer options first (the run's where
+# it has none), then the rest in order.
+RESULT_FIELDS = tuple(f for f in ItemResult.__slots__ if f != "answer_spec")
+_result_fields = attrgetter(*RESULT_FIELDS)
+
+
+def recording(*, batched: bool) -> tuple[Update, tuple[str, ...]]:
+    """The statement that records one result, and what its rows hold (`result_row`'s order).
+
+    Counts are summed over runs, the rest replaced; no owner, lease or follow-up after. The
+    guard (still running and the caller's; `batched`: still in the caller's hosted batch)
+    makes a late or duplicate result a no-op."""
+    status, holder = ("batched", items.c.chunk) if batched else ("running", items.c.owner)
     values: dict[str, Any] = {
         name: items.c[name] + bindparam(f"b_{name}") if name in SUMMED else bindparam(f"b_{name}")
         for name in ItemResult.__slots__
         if name != "line"
     }
-    return {**values, "owner": None, "lease_expires": None, "followup": None, "updated_at": now}
+    stmt = (
+        update(items)
+        .where(
+            items.c.job == bindparam("b_job"),
+            items.c.line == bindparam("b_line"),
+            items.c.status == literal_column(f"'{status}'"),
+            holder == bindparam("b_holder"),
+        )
+        .values(
+            **values,
+            owner=null(),
+            lease_expires=null(),
+            followup=null(),
+            updated_at=bindparam("b_now"),
+        )
+    )
+    names = ("b_job", "b_holder", "b_now", "b_answer_spec", *(f"b_{f}" for f in RESULT_FIELDS))
+    return stmt, names
+
+
+def result_row(
+    head: tuple[Any, ...], result: ItemResult, answer_spec: str | None
+) -> tuple[Any, ...]:
+    """`recording`'s row for `result`: `head` is (job, owner or batch, now)."""
+    return (*head, result.answer_spec or answer_spec, *_result_fields(result))
 
 
 def stored_of(row: RowMapping) -> StoredItem:

@@ -11,13 +11,14 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, bindparam, case, func, or_, select, update
+from sqlalchemy import Connection, Engine, case, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from batchrun.errors import EmptyInput, InputError, JobExists
 from batchrun.ledger import gc, reuse, stats, workers
 from batchrun.ledger.chunks import ChunkStore
 from batchrun.ledger.dialect import WRITE_OPTION, dialect_of
+from batchrun.ledger.driver import Many
 from batchrun.ledger.engine import storage_errors
 from batchrun.ledger.gc import Collected
 from batchrun.ledger.ingest import Loader
@@ -32,7 +33,7 @@ from batchrun.ledger.records import (
     LimitMove,
     StoredItem,
 )
-from batchrun.ledger.rows import STORED_COLUMNS, as_json, job_of, result_values, stored_of
+from batchrun.ledger.rows import STORED_COLUMNS, as_json, job_of, recording, result_row, stored_of
 from batchrun.ledger.schema import STATUSES, items, jobs
 from batchrun.ledger.workers import Joining, Worker
 
@@ -43,6 +44,7 @@ class Ledger:
         self.engine = ready_engine(url, engine)
         self.dialect = dialect_of(self.engine)
         self.chunks = ChunkStore(self)  # hosted Batch API batches (chunks.py)
+        self._recorders: dict[bool, Many] = {}  # record's statement, by `batched`
 
     def close(self) -> None:
         self.engine.dispose()
@@ -271,21 +273,19 @@ class Ledger:
         if not results:
             return 0
         now = time.time()
-        ours = and_(items.c.status == "running", items.c.owner == owner)
-        if chunk is not None:
-            ours = and_(items.c.status == "batched", items.c.chunk == chunk)
-        stmt = (
-            update(items)
-            .where(and_(items.c.job == name, items.c.line == bindparam("b_line"), ours))
-            .values(**result_values(now))
-        )
-        params = [{f"b_{k}": getattr(r, k) for k in ItemResult.__slots__} for r in results]
-        for p in params:
-            p["b_answer_spec"] = p["b_answer_spec"] or answer_spec
+        head = (name, owner if chunk is None else chunk, now)
+        rows = [result_row(head, r, answer_spec) for r in results]
         with self._write("recording results") as conn:
-            changed = int(conn.execute(stmt, params).rowcount)
+            changed = int(self._recording(conn, chunk is not None).run(conn, rows).rowcount)
             reuse.fan_out(conn, name, results, now)
             return changed
+
+    def _recording(self, conn: Connection, batched: bool) -> Many:
+        """record's statement, compiled once for this ledger's database."""
+        if batched not in self._recorders:
+            stmt, names = recording(batched=batched)
+            self._recorders[batched] = Many.compile(stmt, conn.dialect, names)
+        return self._recorders[batched]
 
     def prepare_reuse(
         self,
