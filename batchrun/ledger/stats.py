@@ -10,7 +10,8 @@ from batchrun.ledger.schema import FINAL_STATUSES, items
 
 
 def item_stats(conn: Connection, name: str) -> dict[str, Any]:
-    """Token totals, latency percentiles of done items and the commonest errors."""
+    """Token totals, latency percentiles of the requests that answered its done items (not
+    of answers copied from an earlier job or from a repeated line), the commonest errors."""
     # Tokens this job paid for: a reused answer, or one copied to a repeated line, cost
     # nothing here (it carries the usage of the request that made it).
     paid = and_(items.c.reused_job.is_(None), items.c.dup_of.is_(None))
@@ -38,6 +39,7 @@ def item_stats(conn: Connection, name: str) -> dict[str, Any]:
                 items.c.job == name,
                 items.c.status == "done",
                 items.c.latency_ms.is_not(None),
+                paid,  # its own requests' latencies, not those of the answers it copied
             )
             .order_by(items.c.latency_ms)
         )

@@ -117,6 +117,27 @@ def test_answers_older_than_the_age_limit_and_failures_are_not_reused(ledger: Le
     assert [s for s, _o, _j in outputs(ledger, "new")] == ["done", "pending"]
 
 
+def test_status_latencies_are_of_this_jobs_own_requests_not_of_answers_it_copied(
+    ledger: Ledger,
+) -> None:
+    load(ledger, "night1", ["x", "y", "z"])
+    worker = "w1"
+    ledger.join("night1", worker, ttl=60)
+    lines = [c.line for c in ledger.claim("night1", worker, 10, lease_ttl=60)]
+    slow = [ItemResult(line, "done", 1, output="old", latency_ms=900.0) for line in lines]
+    ledger.record("night1", worker, slow, answer_spec=SPEC_A)
+    load(ledger, "night2", ["y", "new", "x", "new"])
+    assert ledger.prepare_reuse("night2", SPEC_A, reuse_since=None) == (1, 2)
+    ledger.join("night2", worker, ttl=60)
+    [sent] = ledger.claim("night2", worker, 10, lease_ttl=60)
+    fast = ItemResult(sent.line, "done", 1, output="new", latency_ms=10.0)
+    ledger.record("night2", worker, [fast], answer_spec=SPEC_A)
+    assert ledger.counts("night2")["done"] == 4
+    # one request this night: the reused answers' 900 ms were last night's, and the repeated
+    # line's answer is that one request's
+    assert ledger.item_stats("night2")["latency_ms"] == {"p50": 10.0, "p95": 10.0, "p99": 10.0}
+
+
 def test_repeated_lines_are_sent_once_and_each_keeps_its_own_id(ledger: Ledger) -> None:
     load(ledger, "j", ["x", "y", "x", "x", "z"])
     assert ledger.prepare_reuse("j", SPEC_A, reuse_since=None, earlier=False) == (2, 0)
