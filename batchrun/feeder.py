@@ -2,9 +2,10 @@
 its endpoints can have in flight.
 
 It claims up to four times the current concurrency limit (summed over the endpoints) of items
-not yet answered, or a quarter second of its answers when that is more, and claims again when
-half of that is left: a free slot finds an item waiting, and at the end of a job no worker sits
-on a backlog that another could send (with several workers, or after a stop). It also knows
+not yet answered, or a quarter second of its answers when that is more (up to sixteen times
+the limit), and claims again when half of that is left: a free slot finds an item waiting, and
+at the end of a job no worker sits on a backlog that another could send (with several
+workers, or after a stop). It also knows
 which lines this worker holds, so that after a lost connection the claims it never saw go back
 to pending.
 """
@@ -27,6 +28,11 @@ MAX_CLAIM = 256  # items per claim at most
 # thread, behind its group commits, and took 20-40 ms on a job answering 2,000 items a second
 # here, when half of four limits (32 in flight) lasted 16 ms and its workers waited.
 BACKLOG_S = 0.25
+# ... but never more than this many limits: past answers do not promise the next ones (an
+# endpoint that slows keeps what its worker holds from the others). A quarter second of
+# answers passes four limits only where a request takes under 60 ms (answers a second are
+# limit / latency); this cap is reached where it takes under 16 ms.
+MOST_LIMITS = 16
 
 
 class Feeder:
@@ -92,7 +98,8 @@ class Feeder:
 
     async def _claim_size(self) -> int:
         while True:
-            most = max(32, 4 * self._limit(), self._recent())
+            limit = self._limit()
+            most = max(32, 4 * limit, min(self._recent(), MOST_LIMITS * limit))
             if self.stopping.is_set():
                 return 0
             if self._unfinished <= most // 2:

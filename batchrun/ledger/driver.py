@@ -36,6 +36,8 @@ class Many:
         keys = list(names) if isinstance(stmt, Insert) else None  # an insert's columns
         compiled = stmt.compile(dialect=dialect, column_keys=keys)
         assert isinstance(compiled, SQLCompiler)
+        if sorted(compiled.binds) != sorted(names):  # a value set in the statement, a typo
+            raise ValueError(f"the statement's parameters are {sorted(compiled.binds)}")
         driver = tuple(compiled.positiontup or ()) if compiled.positional else None
         order = None
         if driver is not None and driver != names:

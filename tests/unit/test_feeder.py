@@ -11,7 +11,7 @@ from typing import Any, TypeVar, cast
 import anyio
 import pytest
 
-from batchrun.feeder import BACKLOG_S, Feeder
+from batchrun.feeder import BACKLOG_S, MOST_LIMITS, Feeder
 from batchrun.ledger import ClaimedItem, Ledger
 from batchrun.ledger_calls import LedgerCalls
 from batchrun.progress import JobLog
@@ -21,8 +21,6 @@ from tests.unit.test_ledger import make_job
 
 pytestmark = pytest.mark.anyio
 T = TypeVar("T")
-
-LIMIT = 8  # four limits: 32 items
 
 
 class InLoop:
@@ -35,16 +33,19 @@ class InLoop:
         return fn(*args, **kwargs)
 
 
-async def held_while_answering(tmp_path: Path, *, every_s: float, answers: int) -> list[int]:
-    """Answer `answers` items one every `every_s` (a fake clock's seconds) as a feeder hands
-    them over; how many it held unanswered (claimed, not answered) after each answer."""
+async def held_while_answering(
+    tmp_path: Path, *, limit: int, every_s: float, answers: int
+) -> list[int]:
+    """Answer `answers` items one every `every_s` (a fake clock's seconds) as a feeder with a
+    concurrency limit of `limit` hands them over; how many it held unanswered (claimed, not
+    answered) after each answer."""
     fake = FakeTime()
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
     make_job(ledger, 3000)
     settings = RunnerSettings(clock=fake.clock, sleep=fake.sleep)
     log = JobLog(tmp_path / "j.log", "j")
     db = cast(LedgerCalls, InLoop())
-    feeder = Feeder(ledger, db, job="j", owner="w", limit=lambda: LIMIT, settings=settings, log=log)
+    feeder = Feeder(ledger, db, job="j", owner="w", limit=lambda: limit, settings=settings, log=log)
     send, receive = anyio.create_memory_object_stream[ClaimedItem](math.inf)
     held: list[int] = []
     async with anyio.create_task_group() as tg:
@@ -65,18 +66,28 @@ async def held_while_answering(tmp_path: Path, *, every_s: float, answers: int) 
 async def test_a_worker_answering_fast_holds_a_quarter_second_of_its_answers(
     tmp_path: Path,
 ) -> None:
-    """2,000 answers a second: four limits (32) would last 16 ms, less than a claim takes on a
-    busy ledger; it holds about a quarter second's answers instead (500), and claims again
-    while half of them are left."""
-    held = await held_while_answering(tmp_path, every_s=0.0005, answers=900)
+    """2,000 answers a second at 32 in flight: four limits (128) would last 64 ms, half of them
+    32 ms, no more than a claim takes on a busy ledger; it holds about a quarter second's
+    answers instead (500), and claims again while half of them are left."""
+    held = await held_while_answering(tmp_path, limit=32, every_s=0.0005, answers=1200)
     quarter = int(BACKLOG_S / 0.0005)
-    assert max(held[:400]) <= 4 * LIMIT  # the first quarter second: no rate known yet
+    assert max(held[:400]) <= 4 * 32  # the first quarter second: no rate known yet
     assert quarter <= max(held[600:]) <= quarter + 2  # float rounding of the rate
     assert min(held[600:]) > quarter // 2  # claimed again as soon as only half are left
 
 
+async def test_what_a_worker_holds_for_its_pace_is_at_most_sixteen_limits(
+    tmp_path: Path,
+) -> None:
+    """2,000 answers a second at 8 in flight: a quarter second's answers (500) would be 62
+    limits; if its endpoint then slowed, the other workers could not have them. It holds 16."""
+    held = await held_while_answering(tmp_path, limit=8, every_s=0.0005, answers=900)
+    assert max(held) == MOST_LIMITS * 8
+    assert min(held[600:]) > MOST_LIMITS * 8 // 2
+
+
 async def test_a_worker_answering_slowly_holds_four_limits(tmp_path: Path) -> None:
     """Ten answers a second: a quarter second of them is fewer than four limits, which hold."""
-    held = await held_while_answering(tmp_path, every_s=0.1, answers=120)
-    assert max(held) == 4 * LIMIT
-    assert min(held) > 2 * LIMIT
+    held = await held_while_answering(tmp_path, limit=8, every_s=0.1, answers=120)
+    assert max(held) == 4 * 8
+    assert min(held) > 2 * 8

@@ -11,13 +11,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import inspect, text
+from sqlalchemy import bindparam, inspect, text, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Dialect
 
 from batchrun.errors import EmptyInput, InputError, JobExists, LedgerError, OptionError
 from batchrun.inputs import BadLine, InputItem
 from batchrun.ledger import ItemResult, Ledger
+from batchrun.ledger.driver import Many
 from batchrun.ledger.engine import make_engine
 from batchrun.ledger.migrations import MIGRATIONS, current_version, migrate
+from batchrun.ledger.schema import items
 from batchrun.outputs import native_record, openai_record
 from batchrun.status_view import job_detail, jobs_table
 from tests.unit.test_runner import rows as stored_rows
@@ -586,3 +590,19 @@ def test_gc_leaves_a_job_whose_worker_beats_within_its_own_lease(ledger: Ledger)
         conn.execute(text("UPDATE jobs SET updated_at = 0"))
     done = ledger.collect(before=time.time() - 60, everything=False, ttl=60)
     assert done.running == ["j"] and sum(ledger.counts("j").values()) == 4
+
+
+@pytest.mark.parametrize("dialect", [sqlite.dialect(), postgresql.psycopg.dialect()])
+def test_a_statement_the_driver_runs_takes_exactly_the_parameters_its_rows_hold(
+    dialect: Dialect,
+) -> None:
+    """A value written into the statement (`job == "j"`) or a name it lacks would be a value
+    the driver never gets, or a row's value bound to the wrong place: refused at compile."""
+    by_line = items.c.line == bindparam("b_line")
+    fixed = update(items).where(items.c.job == "j", by_line).values(status=bindparam("b_s"))
+    with pytest.raises(ValueError, match="parameters"):
+        Many.compile(fixed, dialect, ["b_line", "b_s"])
+    named = update(items).where(by_line).values(status=bindparam("b_s"))
+    with pytest.raises(ValueError, match="parameters"):
+        Many.compile(named, dialect, ["b_line", "b_s", "b_other"])
+    assert Many.compile(named, dialect, ["b_s", "b_line"]).names == ("b_s", "b_line")
