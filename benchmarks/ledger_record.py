@@ -3,10 +3,11 @@
 On a running job the ledger's thread records each group of results in one transaction, and
 all the Python it runs there holds the GIL that the sending thread needs. This loads a job,
 claims every item, and records them in groups of --group, alternating between two ways in
-the same run: SQLAlchemy's executemany of the statement built for the call with a dict of
-parameters per row (how `Ledger.record` did it before), and `Ledger.record` as it is (the
-statement compiled once, rows handed to the driver as tuples: batchrun/ledger/driver.py).
-It prints the thread's CPU per row for each, and their ratio.
+the same run: the same statement through SQLAlchemy's executemany, built for the call, with
+a dict of parameters per row (as `Ledger.record` ran before), and `Ledger.record` as it is
+(compiled once, rows handed to the driver as tuples: batchrun/ledger/driver.py; it also
+looks for repeated lines waiting for the results, which the other way does not). It prints
+the recording thread's CPU per row for each, and their ratio.
 
     python benchmarks/ledger_record.py [--items 12800] [--group 64] [--url sqlite:///...]
 """
@@ -19,17 +20,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
-
-from sqlalchemy import bindparam, update
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from batchrun.inputs import InputItem  # noqa: E402
 from batchrun.ledger import ItemResult, Ledger  # noqa: E402
-from batchrun.ledger.rows import SUMMED  # noqa: E402
-from batchrun.ledger.schema import items  # noqa: E402
+from batchrun.ledger.rows import recording, result_row  # noqa: E402
 
 BODY = b'{"messages":[{"role":"user","content":"Rewrite item 1."}]}'
 OWNER = "w1"
@@ -52,20 +49,11 @@ def result(line: int) -> ItemResult:
 
 
 def record_before(ledger: Ledger, job: str, results: list[ItemResult]) -> None:
-    """The way before: the statement built per call, SQLAlchemy's executemany of dicts."""
-    now = time.time()
-    values: dict[str, Any] = {
-        name: items.c[name] + bindparam(f"b_{name}") if name in SUMMED else bindparam(f"b_{name}")
-        for name in ItemResult.__slots__
-        if name != "line"
-    }
-    stmt = (
-        update(items)
-        .where(items.c.job == job, items.c.line == bindparam("b_line"))
-        .where(items.c.status == "running", items.c.owner == OWNER)
-        .values(**values, owner=None, lease_expires=None, followup=None, updated_at=now)
-    )
-    params = [{f"b_{k}": getattr(r, k) for k in ItemResult.__slots__} for r in results]
+    """The way before: the statement built for the call, SQLAlchemy's executemany of a dict of
+    parameters per row."""
+    stmt, names = recording(batched=False)
+    head = (job, OWNER, time.time())
+    params = [dict(zip(names, result_row(head, r, None), strict=True)) for r in results]
     with ledger.engine.begin() as conn:
         assert conn.execute(stmt, params).rowcount == len(results)
 

@@ -2,7 +2,7 @@
 
 SQLAlchemy's executemany builds each row's parameters in Python (a dict, a bind check per value),
 and on a running job the ledger's thread holds the GIL that the sending thread needs for all of
-it: recording a result took about twice the CPU it takes this way (benchmarks/ledger_record.py).
+it: recording a result took half again the CPU it takes this way (benchmarks/ledger_record.py).
 A `Many` is compiled once for its database and hands the driver plain tuples, so its rows must
 hold the driver's own types (str, int, float, None). Loading input lines (ingest.py) and
 recording results (store.py) go through it.
