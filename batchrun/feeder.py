@@ -5,9 +5,8 @@ It claims up to four times the current concurrency limit (summed over the endpoi
 not yet answered, or a quarter second of its answers when that is more (up to sixteen times
 the limit), and claims again when half of that is left: a free slot finds an item waiting, and
 at the end of a job no worker sits on a backlog that another could send (with several
-workers, or after a stop). It also knows
-which lines this worker holds, so that after a lost connection the claims it never saw go back
-to pending.
+workers, or after a stop). It also knows which lines this worker holds, so that after a lost
+connection the claims it never saw go back to pending.
 """
 
 from __future__ import annotations
@@ -25,8 +24,9 @@ from batchrun.run_state import RunnerSettings
 
 MAX_CLAIM = 256  # items per claim at most
 # A worker answering fast holds this long of its answers: a claim goes through the ledger's
-# thread, behind its group commits, and took 20-40 ms on a job answering 2,000 items a second
-# here, when half of four limits (32 in flight) lasted 16 ms and its workers waited.
+# thread, behind its group commits, and took 20-60 ms on a job answering 2,000 items a second
+# here, when the items queued at a claim (half of four limits, less the 32 in flight: 32)
+# lasted 16 ms, and its workers waited.
 BACKLOG_S = 0.25
 # ... but never more than this many limits: past answers do not promise the next ones (an
 # endpoint that slows keeps what its worker holds from the others). A quarter second of

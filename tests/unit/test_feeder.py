@@ -66,9 +66,10 @@ async def held_while_answering(
 async def test_a_worker_answering_fast_holds_a_quarter_second_of_its_answers(
     tmp_path: Path,
 ) -> None:
-    """2,000 answers a second at 32 in flight: four limits (128) would last 64 ms, half of them
-    32 ms, no more than a claim takes on a busy ledger; it holds about a quarter second's
-    answers instead (500), and claims again while half of them are left."""
+    """2,000 answers a second at 32 in flight: with four limits (128) it would claim when 64
+    are left, 32 of them in flight: 16 ms of answers queued, less than a claim takes on a busy
+    ledger. It holds about a quarter second's answers instead (500), and claims again while
+    half of them are left."""
     held = await held_while_answering(tmp_path, limit=32, every_s=0.0005, answers=1200)
     quarter = int(BACKLOG_S / 0.0005)
     assert max(held[:400]) <= 4 * 32  # the first quarter second: no rate known yet
