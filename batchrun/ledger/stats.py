@@ -8,13 +8,16 @@ from sqlalchemy import Connection, and_, func, select
 
 from batchrun.ledger.schema import FINAL_STATUSES, items
 
+# An item whose answer its own request made (and paid for): not reused from an earlier job,
+# not copied from the line it repeats.
+OWN_ANSWER = and_(items.c.reused_job.is_(None), items.c.dup_of.is_(None))
+
 
 def item_stats(conn: Connection, name: str) -> dict[str, Any]:
     """Token totals, latency percentiles of the requests that answered its done items (not
     of answers copied from an earlier job or from a repeated line), the commonest errors."""
     # Tokens this job paid for: a reused answer, or one copied to a repeated line, cost
     # nothing here (it carries the usage of the request that made it).
-    paid = and_(items.c.reused_job.is_(None), items.c.dup_of.is_(None))
     copied = and_(  # answered by the line it repeats (not by an earlier job)
         items.c.dup_of.is_not(None),
         items.c.reused_job.is_(None),
@@ -22,8 +25,8 @@ def item_stats(conn: Connection, name: str) -> dict[str, Any]:
     )
     totals = conn.execute(
         select(
-            _paid(items.c.prompt_tokens, items.c.extra_prompt_tokens, paid),
-            _paid(items.c.completion_tokens, items.c.extra_completion_tokens, paid),
+            _paid(items.c.prompt_tokens, items.c.extra_prompt_tokens),
+            _paid(items.c.completion_tokens, items.c.extra_completion_tokens),
             func.sum(items.c.attempts),
             func.sum(items.c.repairs),
             func.sum(items.c.repair_prompt_tokens),
@@ -39,7 +42,7 @@ def item_stats(conn: Connection, name: str) -> dict[str, Any]:
                 items.c.job == name,
                 items.c.status == "done",
                 items.c.latency_ms.is_not(None),
-                paid,  # its own requests' latencies, not those of the answers it copied
+                OWN_ANSWER,  # its own requests' latencies, not those of the answers it copied
             )
             .order_by(items.c.latency_ms)
         )
@@ -104,21 +107,20 @@ def _percentile(sorted_values: list[float], q: float) -> float | None:
     return float(sorted_values[index])
 
 
-def _paid(answer: Any, extra: Any, paid: Any) -> Any:
+def _paid(answer: Any, extra: Any) -> Any:
     """Tokens the job's items paid for themselves: their answers' (unless copied: reused, or
     a repeat's), and those no answer shows (`extra`: paid whatever the line became since)."""
-    own = func.coalesce(func.sum(answer).filter(paid), 0)
+    own = func.coalesce(func.sum(answer).filter(OWN_ANSWER), 0)
     return own + func.coalesce(func.sum(extra), 0)
 
 
 def paid_tokens(conn: Connection, name: str) -> tuple[int, int]:
     """Prompt and completion tokens the job paid for (repairs, answers a `retry` set aside and
     the estimates charged where no usage came, too; not reused answers)."""
-    paid = and_(items.c.reused_job.is_(None), items.c.dup_of.is_(None))
     query = select(
-        _paid(items.c.prompt_tokens, items.c.extra_prompt_tokens, paid)
+        _paid(items.c.prompt_tokens, items.c.extra_prompt_tokens)
         + func.coalesce(func.sum(items.c.repair_prompt_tokens), 0),
-        _paid(items.c.completion_tokens, items.c.extra_completion_tokens, paid)
+        _paid(items.c.completion_tokens, items.c.extra_completion_tokens)
         + func.coalesce(func.sum(items.c.repair_completion_tokens), 0),
     ).where(items.c.job == name)
     row = conn.execute(query).one()

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Connection, Engine, case, func, or_, select, update
+from sqlalchemy import Connection, Engine, case, func, select, update
 from sqlalchemy.exc import IntegrityError
 
 from batchrun.errors import EmptyInput, InputError, JobExists
@@ -412,5 +412,4 @@ class Ledger:
 
 def _own(tokens: Any) -> Any:
     """An item's tokens if its own request paid them (not copied from another line's answer)."""
-    copied = or_(items.c.reused_job.is_not(None), items.c.dup_of.is_not(None))
-    return case((copied, 0), else_=func.coalesce(tokens, 0))
+    return case((stats.OWN_ANSWER, func.coalesce(tokens, 0)), else_=0)
