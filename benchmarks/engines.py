@@ -12,6 +12,11 @@ streamed and not, and what streaming adds, medians of `--repeat` alternating run
   client, the floor an engine of our own on it could approach;
 - pyreqwest (Rust reqwest) and curl_cffi (libcurl), asyncio clients that de-chunk in native code.
 
+Then batchrun's backend itself (OpenAICompatBackend.complete: request, answer read and parsed,
+errors mapped) on its own transport and on the floor under httpx's transport seam: what an
+engine as cheap as the floor would leave of streaming's cost, and the streamed/not ratio the
+backend alone would then allow (`FloorTransport`: a benchmark's stand-in, not a client).
+
 Engines that are not installed are left out with a line saying so; none is a dependency of
 batchrun (`pip install httptools pyreqwest curl_cffi` to run them all).
 
@@ -25,11 +30,16 @@ import asyncio
 import importlib.util
 import resource
 import statistics
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from client_cost import bodies, raw_aiohttp, run_workers, start_server
+import httpx
+from client_cost import MODEL, bodies, raw_aiohttp, run_workers, start_server
+
+from batchrun.backends.aiohttp_transport import AiohttpBody
+from batchrun.backends.base import CompletionRequest
+from batchrun.backends.openai_compat import OpenAICompatBackend
 
 CONCURRENCY = 32
 Loop = Callable[[str, list[bytes], int, bool], Awaitable[None]]
@@ -80,6 +90,117 @@ async def httptools_floor(url: str, items: list[bytes], concurrency: int, stream
     await run_workers(concurrency, items, send)
 
 
+class _Kept(_Floor):
+    """The floor's connection, keeping a response for a transport: its head, its body."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.parts: list[bytes] = []
+        self.ended = False
+        self.waiter: asyncio.Future[None] | None = None
+
+    def start(self) -> None:
+        self.headers, self.parts, self.ended = [], [], False
+        self.answered = asyncio.get_running_loop().create_future()  # here: the head came
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        assert self.answered is not None
+        self.answered.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.parts.append(body)
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+
+class _KeptBody(AiohttpBody):
+    """A floor response's body, read the ways the backend reads aiohttp's."""
+
+    def __init__(self, connection: _Kept, idle: list[_Kept]) -> None:
+        self._connection, self._idle = connection, idle
+
+    def ended(self) -> bool:
+        return self._connection.ended
+
+    async def read(self) -> bytes:
+        return b"".join([part async for part in self.chunks()])
+
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        connection = self._connection
+        while True:
+            if connection.parts:
+                data = b"".join(connection.parts)
+                connection.parts.clear()
+                yield data
+            elif connection.ended:
+                return
+            else:
+                connection.waiter = asyncio.get_running_loop().create_future()
+                await connection.waiter
+
+    async def aclose(self) -> None:
+        if not self._connection.ended:
+            self._connection.transport.close()
+        elif self._connection not in self._idle:
+            self._idle.append(self._connection)
+
+
+class FloorTransport(httpx.AsyncBaseTransport):
+    """The floor under httpx's transport seam, for the backend: plain http, kept alive."""
+
+    def __init__(self) -> None:
+        self._idle: list[_Kept] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        if self._idle:
+            connection = self._idle.pop()
+        else:
+            loop = asyncio.get_running_loop()
+            _, connection = await loop.create_connection(_Kept, url.host, url.port)
+        connection.start()
+        head = b"%s %s HTTP/1.1\r\n" % (request.method.encode(), url.raw_path)
+        head += b"".join(b"%s: %s\r\n" % pair for pair in request.headers.raw)
+        connection.transport.write(head + b"\r\n" + request.content)
+        await connection.answered
+        status = connection.parser.get_status_code()
+        body = _KeptBody(connection, self._idle)
+        return httpx.Response(status, headers=connection.headers, stream=body)
+
+
+def on_backend(transport: Callable[[], httpx.AsyncBaseTransport | None]) -> Loop:
+    """batchrun's backend on a transport (None: its own, aiohttp's), one request repeated."""
+    body = {"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": "Hi."}]}
+
+    async def loop(url: str, items: list[bytes], concurrency: int, stream: bool) -> None:
+        base = url.removesuffix("/chat/completions")
+        backend = OpenAICompatBackend(
+            base, stream=stream, transport=transport(), max_connections=concurrency
+        )
+        request = CompletionRequest(endpoint="chat", body=body)
+
+        async def send(_item: bytes) -> None:
+            await backend.complete(request)
+
+        try:
+            await run_workers(concurrency, items, send)
+        finally:
+            await backend.aclose()
+
+    return loop
+
+
 async def pyreqwest(url: str, items: list[bytes], concurrency: int, stream: bool) -> None:
     from pyreqwest.client import ClientBuilder
 
@@ -114,6 +235,8 @@ ENGINES: dict[str, tuple[str | None, Loop]] = {  # name: (module it needs, loop)
     "httptools-floor": ("httptools", httptools_floor),
     "pyreqwest": ("pyreqwest", pyreqwest),
     "curl_cffi": ("curl_cffi", curl_cffi),
+    "batchrun/aiohttp": (None, on_backend(lambda: None)),
+    "batchrun/floor": ("httptools", on_backend(FloorTransport)),
 }
 
 
@@ -159,13 +282,14 @@ def main() -> None:
         f"{args.requests} requests of {args.tokens} tokens, {CONCURRENCY} in flight; client CPU"
         f" us a request, median of {args.repeat}"
     )
-    print(f"{'engine':16} {'not streamed':>13} {'streamed':>9} {'added':>6} {'vs aiohttp':>11}")
+    columns = f"{'not streamed':>13} {'streamed':>9} {'added':>6} {'not/streamed':>13}"
+    print(f"{'engine':16} {columns} {'vs aiohttp':>11}")
     base_us = statistics.median(times["aiohttp", False])
     for name in engines:
         plain, streamed = (statistics.median(times[name, s]) for s in (False, True))
         print(
             f"{name:16} {plain:13.0f} {streamed:9.0f} {streamed - plain:6.0f}"
-            f" {plain / base_us:10.2f}x"
+            f" {plain / streamed:13.2f} {plain / base_us:10.2f}x"
         )
 
 
