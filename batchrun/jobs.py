@@ -26,6 +26,7 @@ from batchrun.errors import (
     UsageError,
     single_error,
 )
+from batchrun.fleet import EndpointUse
 from batchrun.inputs import InputReader, file_digest
 from batchrun.ledger import FINAL_STATUSES, IngestReport, Job, Joining, Ledger, left
 from batchrun.limiter import estimate_split
@@ -282,7 +283,10 @@ async def run_job(
     settings = settings or RunnerSettings(lease_ttl=spec.lease)
     log = JobLog(home.log_path(name), name, redact=spec.redact)
 
+    out: list[EndpointUse] = []  # endpoints left out at start: in the summary, not in the run
+
     def left_out(endpoint: str, why: str) -> None:
+        out.append(EndpointUse(endpoint, "out", answered=0, errors=0, limit=0, reason=why))
         log.event("endpoint_out", endpoint=endpoint, error=why)
         if on_message is not None:
             on_message(f"endpoint {endpoint} left out: {why}")
@@ -322,6 +326,7 @@ async def run_job(
                         tg.start_soon(_stop_on_signals, runner)
                     stats = await runner.run()
                     stats.reused, stats.duplicates = reused, waiting
+                    stats.endpoints += out
                     tg.cancel_scope.cancel()
             except BaseExceptionGroup as group:
                 raise single_error(group) from None

@@ -188,6 +188,29 @@ async def test_a_401_takes_one_endpoint_out_and_the_others_finish_the_job(
     assert '"event":"endpoint_out"' in log
 
 
+class NoModels(Hosts):
+    """Hosts whose `b.test` refuses the key when asked its models, before any request."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "GET" and request.url.host == "b.test":
+            return httpx.Response(401, json={"error": {"message": "invalid api key"}})
+        return await super().handle_async_request(request)
+
+
+@pytest.mark.anyio
+async def test_an_endpoint_left_out_at_start_is_in_the_summary_with_its_reason(
+    tmp_path: Path,
+) -> None:
+    hosts = NoModels({"a.test": SimConfig(), "b.test": SimConfig()})
+    ledger, stats = await run(tmp_path, hosts, model=None, endpoints=endpoints("a", "b"))
+    assert ledger.counts("j")["done"] == 40 and hosts.posts["b.test"] == 0
+    uses = {u.name: u for u in stats.endpoints}
+    assert uses["a"].answered == 40
+    assert uses["b"].state == "out" and "401" in uses["b"].reason and uses["b"].answered == 0
+    said = summary_line(report(ledger.counts("j"), stats))
+    assert "endpoints: a 40 answered, b 0 answered (out: " in said
+
+
 @pytest.mark.anyio
 async def test_when_every_endpoint_refuses_the_key_the_job_stops_with_that_error(
     tmp_path: Path,
