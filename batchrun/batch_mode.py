@@ -3,6 +3,7 @@ or to Ctrl-C/SIGTERM; cancel them."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -13,7 +14,7 @@ import anyio
 from batchrun.backends.base import Transport
 from batchrun.backends.batch_api import BatchAPI
 from batchrun.config import RunSpec
-from batchrun.errors import FatalError, NotFound, RequestError, single_error
+from batchrun.errors import FatalError, LedgerError, NotFound, RequestError, single_error
 from batchrun.hosted import FINISHED, HostedRun, T, patiently
 from batchrun.ledger import Ledger
 from batchrun.progress import JobLog
@@ -50,6 +51,8 @@ async def run_batches(
     finally:
         with anyio.CancelScope(shield=True):
             await api.aclose()
+        with contextlib.suppress(LedgerError):  # the error that stopped the run is kept
+            ledger.chunks.let_go(name, owner=run.owner)
     h = run.stats
     stats.recorded, stats.batches = h.recorded, h.batches
     stats.batch_tokens = h.prompt_tokens + h.completion_tokens

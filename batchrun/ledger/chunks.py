@@ -153,6 +153,15 @@ class ChunkStore:
             conn.execute(update(chunks).where(*where).values(owner=owner, lease_until=now + lease))
         return True
 
+    def let_go(self, job: str, *, owner: str) -> None:
+        """The run `owner` has ended (a notebook's stopped cell included): its leases on chunks
+        it made no batch for go at once, not when they run out. Its process may live on, so
+        `take` would take it for a live run for the rest of the lease; a batch it may have
+        created unrecorded is looked for by the next run before it creates one."""
+        where = (chunks.c.job == job, chunks.c.owner == owner, chunks.c.batch_id.is_(None))
+        with self._ledger._write("letting go of batches") as conn:
+            conn.execute(update(chunks).where(*where).values(owner=None, lease_until=None))
+
     def lines(self, job: str, chunk: int) -> list[ClaimedItem]:
         """The items a chunk holds (still `batched`)."""
         query = (

@@ -155,28 +155,6 @@ def test_batch_mode_needs_a_model_and_one_endpoint() -> None:
         resolve({"mode": "batch", "model": "m", "endpoints": ["a=http://a", "b=http://b"]})
 
 
-@pytest.mark.anyio
-async def test_a_chunk_a_live_run_is_submitting_is_left_to_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    ledger, home, spec = load(tmp_path, 12)
-    model = sim()
-
-    def crash(name: str) -> None:
-        if name == "uploaded":
-            raise Killed(name)
-
-    monkeypatch.setattr(hosted, "_crash_point", crash)
-    with pytest.raises(Killed):
-        await run(ledger, home, spec, model)
-    monkeypatch.undo()
-    # the first run's process is this one, alive: a second run does not create its batch
-    await run(ledger, home, spec, model)
-    assert model.batches.created == 0 and ledger.counts("j")["batched"] == 12
-    (chunk,) = ledger.chunks.listed("j")
-    assert chunk.state == "uploaded" and chunk.batch_id is None
-
-
 class Flaky(SimTransport):
     """The simulator, with scripted answers for some requests: `script(method, path, n)`
     returns a status to answer instead (n counts requests to that method and path)."""

@@ -285,6 +285,42 @@ async def test_a_run_whose_lease_ran_out_while_uploading_makes_no_second_batch(
 
 
 @pytest.mark.anyio
+async def test_a_chunk_a_live_run_is_submitting_is_left_to_it(tmp_path: Path) -> None:
+    ledger, home, spec = load(tmp_path, 12)
+    model = sim()
+    created_then: list[int] = []
+
+    async def second() -> None:
+        await anyio.sleep(0.5)  # while the first run uploads, its lease good
+        await run(ledger, home, spec, SimTransport(model))
+        created_then.append(model.batches.created)
+        (chunk,) = ledger.chunks.listed("j")
+        assert chunk.batch_id is None  # left alone, not created a second time
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(second)
+        await run(ledger, home, spec, Rewritten(model, same, upload_s=2.0))
+    assert created_then == [0] and model.batches.created == 1
+    assert ledger.counts("j")["done"] == 12
+
+
+@pytest.mark.anyio
+async def test_a_run_stopped_mid_upload_in_a_live_process_leaves_its_chunk_to_the_next(
+    tmp_path: Path, ledger_url: str
+) -> None:
+    """A notebook's stopped cell: the run is cancelled while it uploads, its process lives on
+    (so the chunk's holder looks alive), and the next run there must not wait out the lease."""
+    ledger, home, spec = load(tmp_path, 6, ledger_url)
+    model = sim(batch_seconds=0.2)
+    with anyio.move_on_after(0.5):  # the cell stopped while the upload takes 30 s
+        await run(ledger, home, spec, Rewritten(model, same, upload_s=30.0))
+    assert ledger.counts("j")["batched"] == 6 and model.batches.created == 0
+    stats = await run(ledger, home, spec, SimTransport(model))
+    assert stats.aborted is None and model.batches.created == 1
+    assert ledger.counts("j")["done"] == 6
+
+
+@pytest.mark.anyio
 async def test_a_run_whose_lease_ran_out_never_reopens_a_chunk_another_run_closed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
