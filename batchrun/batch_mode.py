@@ -52,7 +52,7 @@ async def run_batches(
         with anyio.CancelScope(shield=True):
             await api.aclose()
         with contextlib.suppress(LedgerError):  # the error that stopped the run is kept
-            ledger.chunks.let_go(name, owner=run.owner)
+            ledger.chunks.let_go(name, owner=run.owner, keep=run.sent)
     h = run.stats
     stats.recorded, stats.batches = h.recorded, h.batches
     stats.batch_tokens = h.prompt_tokens + h.completion_tokens

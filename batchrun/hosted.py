@@ -76,13 +76,13 @@ class HostedRun:
         log: JobLog,
     ) -> None:
         self.ledger, self.api, self.name, self.spec = ledger, api, name, spec
-        self.rules = rules
-        self.log = log
+        self.rules, self.log = rules, log
         self.store = ledger.chunks
         self.stats = HostedStats()
         self._answer_spec = answer_spec(spec)
         self._defaults = spec.request_defaults()
         self.owner = run_owner()  # this run, as the chunks it submits know it
+        self.sent: set[int] = set()  # chunks whose create may have reached the provider
 
     async def run(self, *, send: bool) -> HostedStats:
         """Reconcile and submit open chunks; with `send`, make batches of what is pending
@@ -195,6 +195,7 @@ class HostedRun:
         while True:
             if not self.store.take(self.name, chunk.chunk, owner=self.owner, lease=LEASE_S):
                 return None
+            self.sent.add(chunk.chunk)  # its lease stands when this run ends (let_go)
             try:
                 return await self.api.create(file_id, endpoint, meta)
             except TransientError as exc:
@@ -205,6 +206,7 @@ class HostedRun:
                 pause = min(300.0, exc.retry_after or wait)
             except (PermanentError, FatalError) as exc:
                 if not uncertain:
+                    self.sent.discard(chunk.chunk)
                     raise  # refused: no batch was made
                 raise Unreadable(f"after a create that may have made the batch: {exc}") from None
             # The create may have reached the provider: from here no error gives lines back.

@@ -12,6 +12,7 @@ import os
 import secrets
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,14 +154,16 @@ class ChunkStore:
             conn.execute(update(chunks).where(*where).values(owner=owner, lease_until=now + lease))
         return True
 
-    def let_go(self, job: str, *, owner: str) -> None:
+    def let_go(self, job: str, *, owner: str, keep: Collection[int] = ()) -> None:
         """The run `owner` has ended (a notebook's stopped cell included): its leases on chunks
-        it made no batch for go at once, not when they run out. Its process may live on, so
-        `take` would take it for a live run for the rest of the lease; a batch it may have
-        created unrecorded is looked for by the next run before it creates one."""
-        where = (chunks.c.job == job, chunks.c.owner == owner, chunks.c.batch_id.is_(None))
+        it made no batch for go at once, not when they run out (its process may live on, and
+        `take` would take it for a live run till then). Not those in `keep`, whose create may
+        have reached the provider: a batch made there may not be listed yet, and the next run
+        would make a second one (their leases run out as before)."""
+        mine = and_(chunks.c.job == job, chunks.c.owner == owner, chunks.c.batch_id.is_(None))
+        where = and_(mine, chunks.c.chunk.not_in(list(keep)))
         with self._ledger._write("letting go of batches") as conn:
-            conn.execute(update(chunks).where(*where).values(owner=None, lease_until=None))
+            conn.execute(update(chunks).where(where).values(owner=None, lease_until=None))
 
     def lines(self, job: str, chunk: int) -> list[ClaimedItem]:
         """The items a chunk holds (still `batched`)."""

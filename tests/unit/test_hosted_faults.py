@@ -320,6 +320,46 @@ async def test_a_run_stopped_mid_upload_in_a_live_process_leaves_its_chunk_to_th
     assert ledger.counts("j")["done"] == 6
 
 
+class CommittedLater(SimTransport):
+    """A provider that makes a batch 1 s after its create arrives, whether or not the client
+    is still waiting for the answer (a client that goes away does not undo it)."""
+
+    def __init__(self, model: SimModel, server: anyio.abc.TaskGroup) -> None:
+        super().__init__(model)
+        self.server = server
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if (request.method, request.url.path) != ("POST", "/v1/batches"):
+            return await super().handle_async_request(request)
+        await request.aread()
+        answered, made = anyio.Event(), []
+
+        async def make() -> None:
+            await anyio.sleep(1.0)
+            made.append(await super(CommittedLater, self).handle_async_request(request))
+            answered.set()
+
+        self.server.start_soon(make)
+        await answered.wait()
+        return made[0]
+
+
+@pytest.mark.anyio
+async def test_a_run_stopped_while_its_create_is_on_the_way_keeps_its_lease(
+    tmp_path: Path, ledger_url: str
+) -> None:
+    """Stopped after the create went out, a run cannot know whether the batch was made: the
+    chunk stays leased to it (found by a review: letting it go made a second batch)."""
+    ledger, home, spec = load(tmp_path, 6, ledger_url)
+    model = sim(batch_seconds=0.2)
+    async with anyio.create_task_group() as server:
+        with anyio.move_on_after(0.5):  # the cell stopped while the provider makes the batch
+            await run(ledger, home, spec, CommittedLater(model, server))
+        await run(ledger, home, spec, SimTransport(model))  # run again at once
+    assert model.batches.created == 1
+    assert ledger.counts("j")["batched"] == 6  # left to the lease: the next run adopts it
+
+
 @pytest.mark.anyio
 async def test_a_run_whose_lease_ran_out_never_reopens_a_chunk_another_run_closed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
