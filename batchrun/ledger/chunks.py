@@ -151,8 +151,13 @@ class ChunkStore:
             holder, until = row
             if holder not in (None, owner) and (until or 0) > now and _alive(holder):
                 return False
-            conn.execute(update(chunks).where(*where).values(owner=owner, lease_until=now + lease))
-        return True
+            # Taken only as it was read: another process that took it meanwhile wins.
+            unchanged = (
+                chunks.c.owner.is_(None) if holder is None else chunks.c.owner == holder,
+                chunks.c.lease_until.is_(None) if until is None else chunks.c.lease_until == until,
+            )
+            taken = update(chunks).where(*where, *unchanged)
+            return bool(conn.execute(taken.values(owner=owner, lease_until=now + lease)).rowcount)
 
     def let_go(self, job: str, *, owner: str, keep: Collection[int] = ()) -> None:
         """The run `owner` has ended (a notebook's stopped cell included): its leases on chunks

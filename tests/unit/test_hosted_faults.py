@@ -360,6 +360,29 @@ async def test_a_run_stopped_while_its_create_is_on_the_way_keeps_its_lease(
     assert ledger.counts("j")["batched"] == 6  # left to the lease: the next run adopts it
 
 
+@pytest.mark.parametrize("ledger_url", ["postgresql"], indirect=True)
+def test_two_processes_taking_one_chunk_at_once_only_one_gets_it(
+    tmp_path: Path, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between one run's read of a chunk's holder and its write, another process takes it:
+    the first must not take it too (found by a review; PostgreSQL reads do not lock)."""
+    ledger, _home, _spec = load(tmp_path, 4, ledger_url)
+    lines = [item.line for item in ledger.chunks.pending("j", 10)]
+    number, _ = ledger.chunks.start("j", lines, owner="gone", lease=900.0)
+    other = Ledger(ledger_url).chunks  # another process's connections
+    took: list[bool] = []
+
+    def alive(_owner: str) -> bool:  # asked between the read and the write
+        if not took:
+            took.append(False)
+            took[0] = other.take("j", number, owner="b", lease=900.0)
+        return False  # the holder that was read is gone
+
+    monkeypatch.setattr(chunks, "_alive", alive)
+    assert not ledger.chunks.take("j", number, owner="a", lease=900.0)
+    assert took == [True]
+
+
 @pytest.mark.anyio
 async def test_a_run_whose_lease_ran_out_never_reopens_a_chunk_another_run_closed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
