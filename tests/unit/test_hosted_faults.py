@@ -284,22 +284,36 @@ async def test_a_run_whose_lease_ran_out_while_uploading_makes_no_second_batch(
     assert model.batches.created == 1 and ledger.counts("j")["done"] == 6
 
 
+class Noticed(httpx.AsyncBaseTransport):
+    """Another transport, calling `notice()` as a POST to `path` goes out to it."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, path: str, notice: Any) -> None:
+        self.inner, self.path, self.notice = inner, path, notice
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if (request.method, request.url.path) == ("POST", self.path):
+            self.notice()
+        return await self.inner.handle_async_request(request)
+
+
 @pytest.mark.anyio
 async def test_a_chunk_a_live_run_is_submitting_is_left_to_it(tmp_path: Path) -> None:
     ledger, home, spec = load(tmp_path, 12)
     model = sim()
+    uploading = anyio.Event()
     created_then: list[int] = []
 
     async def second() -> None:
-        await anyio.sleep(0.5)  # while the first run uploads, its lease good
+        await uploading.wait()  # the first run uploads, its lease good
         await run(ledger, home, spec, SimTransport(model))
         created_then.append(model.batches.created)
         (chunk,) = ledger.chunks.listed("j")
         assert chunk.batch_id is None  # left alone, not created a second time
 
+    slow = Rewritten(model, same, upload_s=3.0)
     async with anyio.create_task_group() as tg:
         tg.start_soon(second)
-        await run(ledger, home, spec, Rewritten(model, same, upload_s=2.0))
+        await run(ledger, home, spec, Noticed(slow, "/v1/files", uploading.set))
     assert created_then == [0] and model.batches.created == 1
     assert ledger.counts("j")["done"] == 12
 
@@ -312,8 +326,9 @@ async def test_a_run_stopped_mid_upload_in_a_live_process_leaves_its_chunk_to_th
     (so the chunk's holder looks alive), and the next run there must not wait out the lease."""
     ledger, home, spec = load(tmp_path, 6, ledger_url)
     model = sim(batch_seconds=0.2)
-    with anyio.move_on_after(0.5):  # the cell stopped while the upload takes 30 s
-        await run(ledger, home, spec, Rewritten(model, same, upload_s=30.0))
+    with anyio.CancelScope() as cell:  # stopped as the upload (of 30 s) goes out
+        slow = Rewritten(model, same, upload_s=30.0)
+        await run(ledger, home, spec, Noticed(slow, "/v1/files", cell.cancel))
     assert ledger.counts("j")["batched"] == 6 and model.batches.created == 0
     stats = await run(ledger, home, spec, SimTransport(model))
     assert stats.aborted is None and model.batches.created == 1
@@ -322,11 +337,12 @@ async def test_a_run_stopped_mid_upload_in_a_live_process_leaves_its_chunk_to_th
 
 class CommittedLater(SimTransport):
     """A provider that makes a batch 1 s after its create arrives, whether or not the client
-    is still waiting for the answer (a client that goes away does not undo it)."""
+    is still waiting for the answer (a client that goes away does not undo it); `arrived()`
+    is called once the create is in its hands."""
 
-    def __init__(self, model: SimModel, server: anyio.abc.TaskGroup) -> None:
+    def __init__(self, model: SimModel, server: anyio.abc.TaskGroup, arrived: Any) -> None:
         super().__init__(model)
-        self.server = server
+        self.server, self.arrived = server, arrived
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if (request.method, request.url.path) != ("POST", "/v1/batches"):
@@ -340,6 +356,7 @@ class CommittedLater(SimTransport):
             answered.set()
 
         self.server.start_soon(make)
+        self.arrived()
         await answered.wait()
         return made[0]
 
@@ -353,8 +370,8 @@ async def test_a_run_stopped_while_its_create_is_on_the_way_keeps_its_lease(
     ledger, home, spec = load(tmp_path, 6, ledger_url)
     model = sim(batch_seconds=0.2)
     async with anyio.create_task_group() as server:
-        with anyio.move_on_after(0.5):  # the cell stopped while the provider makes the batch
-            await run(ledger, home, spec, CommittedLater(model, server))
+        with anyio.CancelScope() as cell:  # stopped while the provider makes the batch
+            await run(ledger, home, spec, CommittedLater(model, server, cell.cancel))
         await run(ledger, home, spec, SimTransport(model))  # run again at once
     assert model.batches.created == 1
     assert ledger.counts("j")["batched"] == 6  # left to the lease: the next run adopts it
