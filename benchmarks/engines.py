@@ -246,7 +246,7 @@ def cpu_s() -> float:
 
 
 def us_per_request(loop: Loop, url: str, items: list[bytes], stream: bool) -> float:
-    asyncio.run(loop(url, items[:100], CONCURRENCY, stream))  # connections opened, code warm
+    asyncio.run(loop(url, items[:100], CONCURRENCY, stream))  # code warm (not connections)
     started = cpu_s()
     asyncio.run(loop(url, items, CONCURRENCY, stream))
     return (cpu_s() - started) / len(items) * 1e6
