@@ -206,8 +206,7 @@ class HostedRun:
                 pause = min(300.0, exc.retry_after or wait)
             except (PermanentError, FatalError) as exc:
                 if not uncertain:
-                    self.sent.discard(chunk.chunk)
-                    raise  # refused: no batch was made
+                    raise  # refused: no batch was made (its chunk is closed, never taken again)
                 raise Unreadable(f"after a create that may have made the batch: {exc}") from None
             # The create may have reached the provider: from here no error gives lines back.
             uncertain = True

@@ -125,7 +125,8 @@ class _Kept(_Floor):
 
 
 class _KeptBody(AiohttpBody):
-    """A floor response's body, read the ways the backend reads aiohttp's."""
+    """A floor response's body, read the ways the backend reads aiohttp's (a subclass, so the
+    backend takes the same paths it takes for its own transport: `ended`, `read`, `chunks`)."""
 
     def __init__(self, connection: _Kept, idle: list[_Kept]) -> None:
         self._connection, self._idle = connection, idle
