@@ -17,10 +17,10 @@ import httpx
 import orjson
 
 from batchrun import __version__
-from batchrun.backends.aiohttp_transport import AiohttpBody, AiohttpTransport
 from batchrun.backends.answers import StreamedAnswer, read_json
 from batchrun.backends.base import Completion, CompletionRequest, Watch, auth_headers
 from batchrun.backends.errors_http import error_for_status, rate_info
+from batchrun.backends.http11 import Body, Http11Transport
 from batchrun.backends.sse import SSEDecoder
 from batchrun.errors import (
     BadRequest,
@@ -59,7 +59,7 @@ class OpenAICompatBackend:
         # streamed chunk is a fraction of httpcore's. Requests go straight to the transport:
         # httpx.AsyncClient's cookies, redirects, auth and URL merging cost more per request
         # than the wire itself, and a completion needs none of them.
-        self._transport = transport or AiohttpTransport(max_connections)
+        self._transport = transport or Http11Transport(max_connections)
         self._owns_transport = transport is None
         self._fresh_transport: httpx.AsyncBaseTransport | None = None  # see _fresh
         headers = {"content-type": "application/json", "user-agent": f"batchrun/{__version__}"}
@@ -115,7 +115,7 @@ class OpenAICompatBackend:
         if not self._owns_transport:
             return self._transport
         if self._fresh_transport is None:
-            self._fresh_transport = AiohttpTransport(self._max_connections, keepalive=False)
+            self._fresh_transport = Http11Transport(self._max_connections, keepalive=False)
         return self._fresh_transport
 
     async def aclose(self) -> None:
@@ -273,7 +273,7 @@ class OpenAICompatBackend:
             answer.add(decoder.feed(data))
             if answer.done:
                 completion = answer.completion()  # whole (or not) now: its latency ends here
-                if isinstance(resp.stream, AiohttpBody) and resp.stream.ended():
+                if isinstance(resp.stream, Body) and resp.stream.ended():
                     await body.aclose()  # nothing left to wait for; not left to the loop
                 else:
                     left = anyio.current_effective_deadline() - anyio.current_time()
@@ -367,7 +367,7 @@ def _body(resp: httpx.Response) -> AsyncGenerator[bytes, None]:
         return _once(resp.content)
     if resp.headers.get("content-encoding", "identity") != "identity":
         return _passed(resp.aiter_bytes())
-    if isinstance(resp.stream, AiohttpBody):
+    if isinstance(resp.stream, Body):
         return resp.stream.chunks()
     return _passed(resp.aiter_raw())
 
@@ -385,7 +385,7 @@ async def _whole_body(resp: httpx.Response) -> bytes:
     """The whole body: in one read where aiohttp's engine carries it uncompressed (its buffer
     joined in C, no async iteration per network read), else as it arrives."""
     encoding = resp.headers.get("content-encoding", "identity")
-    if encoding == "identity" and isinstance(resp.stream, AiohttpBody):
+    if encoding == "identity" and isinstance(resp.stream, Body):
         return await resp.stream.read()
     return b"".join([part async for part in _body(resp)])
 
