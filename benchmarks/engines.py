@@ -6,19 +6,20 @@ else) on each engine against the zero-latency server (fast_server.py, another pr
 flight, and prints CPU per request of this process (every thread: an engine's own included),
 streamed and not, and what streaming adds, medians of `--repeat` alternating runs:
 
-- aiohttp: batchrun's engine (backends/aiohttp_transport.py), as in client_cost.py's raw loops;
+- aiohttp, as in client_cost.py's raw loops (batchrun's engine until its own);
 - httptools-floor: llhttp's C parser (httptools) under a bare asyncio protocol that keeps
   connections alive and does nothing else (no timeouts, errors, TLS or pool limits): not a
-  client, the floor an engine of our own on it could approach;
+  client, the floor an engine on it can approach;
+- http11: batchrun's own engine on llhttp (backends/http11.py), under httpx's transport seam;
 - pyreqwest (Rust reqwest) and curl_cffi (libcurl), asyncio clients that de-chunk in native code.
 
 Then batchrun's backend itself (OpenAICompatBackend.complete: request, answer read and parsed,
-errors mapped) on its own transport and on the floor under httpx's transport seam: what an
-engine as cheap as the floor would leave of streaming's cost, and the streamed/not ratio the
-backend alone would then allow (`FloorTransport`: a benchmark's stand-in, not a client).
+errors mapped) on aiohttp's engine (benchmarks/aiohttp_transport.py, the transport batchrun
+shipped before its own) and on its own: what the engine leaves of streaming's cost, and the
+streamed/not ratio the backend alone allows.
 
-Engines that are not installed are left out with a line saying so; none is a dependency of
-batchrun (`pip install httptools pyreqwest curl_cffi` to run them all).
+Engines that are not installed are left out with a line saying so; none but httptools is a
+dependency of batchrun (`pip install pyreqwest curl_cffi` to run them all).
 
     python benchmarks/engines.py [--requests 3000] [--repeat 3] [--tokens 30]
 """
@@ -30,15 +31,16 @@ import asyncio
 import importlib.util
 import resource
 import statistics
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+from aiohttp_transport import AiohttpTransport
 from client_cost import MODEL, bodies, raw_aiohttp, run_workers, start_server
 
-from batchrun.backends.aiohttp_transport import AiohttpBody
 from batchrun.backends.base import CompletionRequest
+from batchrun.backends.http11 import Http11Transport
 from batchrun.backends.openai_compat import OpenAICompatBackend
 
 CONCURRENCY = 32
@@ -90,104 +92,32 @@ async def httptools_floor(url: str, items: list[bytes], concurrency: int, stream
     await run_workers(concurrency, items, send)
 
 
-class _Kept(_Floor):
-    """The floor's connection, keeping a response for a transport: its head, its body."""
+async def http11(url: str, items: list[bytes], concurrency: int, stream: bool) -> None:
+    """batchrun's engine (backends/http11.py) alone, under httpx's transport seam: the raw loop."""
+    transport = Http11Transport(concurrency)
+    headers = {"content-type": "application/json"}
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.parts: list[bytes] = []
-        self.ended = False
-        self.waiter: asyncio.Future[None] | None = None
+    async def send(body: bytes) -> None:
+        request = httpx.Request("POST", url, headers=headers, content=body)
+        response = await transport.handle_async_request(request)
+        async for _data in response.stream:  # type: ignore[union-attr]
+            pass
+        await response.aclose()
 
-    def start(self) -> None:
-        self.headers, self.parts, self.ended = [], [], False
-        self.answered = asyncio.get_running_loop().create_future()  # here: the head came
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        assert self.answered is not None
-        self.answered.set_result(None)
-
-    def on_body(self, body: bytes) -> None:
-        self.parts.append(body)
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        self.ended = True
-        self._wake()
-
-    def _wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+    try:
+        await run_workers(concurrency, items, send)
+    finally:
+        await transport.aclose()
 
 
-class _KeptBody(AiohttpBody):
-    """A floor response's body, read the ways the backend reads aiohttp's (a subclass, so the
-    backend takes the same paths it takes for its own transport: `ended`, `read`, `chunks`)."""
-
-    def __init__(self, connection: _Kept, idle: list[_Kept]) -> None:
-        self._connection, self._idle = connection, idle
-
-    def ended(self) -> bool:
-        return self._connection.ended
-
-    async def read(self) -> bytes:
-        return b"".join([part async for part in self.chunks()])
-
-    async def chunks(self) -> AsyncGenerator[bytes, None]:
-        connection = self._connection
-        while True:
-            if connection.parts:
-                data = b"".join(connection.parts)
-                connection.parts.clear()
-                yield data
-            elif connection.ended:
-                return
-            else:
-                connection.waiter = asyncio.get_running_loop().create_future()
-                await connection.waiter
-
-    async def aclose(self) -> None:
-        if not self._connection.ended:
-            self._connection.transport.close()
-        elif self._connection not in self._idle:
-            self._idle.append(self._connection)
-
-
-class FloorTransport(httpx.AsyncBaseTransport):
-    """The floor under httpx's transport seam, for the backend: plain http, kept alive."""
-
-    def __init__(self) -> None:
-        self._idle: list[_Kept] = []
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        url = request.url
-        if self._idle:
-            connection = self._idle.pop()
-        else:
-            loop = asyncio.get_running_loop()
-            _, connection = await loop.create_connection(_Kept, url.host, url.port)
-        connection.start()
-        head = b"%s %s HTTP/1.1\r\n" % (request.method.encode(), url.raw_path)
-        head += b"".join(b"%s: %s\r\n" % pair for pair in request.headers.raw)
-        connection.transport.write(head + b"\r\n" + request.content)
-        await connection.answered
-        status = connection.parser.get_status_code()
-        body = _KeptBody(connection, self._idle)
-        return httpx.Response(status, headers=connection.headers, stream=body)
-
-
-def on_backend(transport: Callable[[], httpx.AsyncBaseTransport | None]) -> Loop:
-    """batchrun's backend on a transport (None: its own, aiohttp's), one request repeated."""
+def on_backend(transport: Callable[[int], httpx.AsyncBaseTransport | None]) -> Loop:
+    """batchrun's backend on a transport (None: its own engine), one request repeated."""
     body = {"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": "Hi."}]}
 
     async def loop(url: str, items: list[bytes], concurrency: int, stream: bool) -> None:
         base = url.removesuffix("/chat/completions")
         backend = OpenAICompatBackend(
-            base, stream=stream, transport=transport(), max_connections=concurrency
+            base, stream=stream, transport=transport(concurrency), max_connections=concurrency
         )
         request = CompletionRequest(endpoint="chat", body=body)
 
@@ -236,8 +166,9 @@ ENGINES: dict[str, tuple[str | None, Loop]] = {  # name: (module it needs, loop)
     "httptools-floor": ("httptools", httptools_floor),
     "pyreqwest": ("pyreqwest", pyreqwest),
     "curl_cffi": ("curl_cffi", curl_cffi),
-    "batchrun/aiohttp": (None, on_backend(lambda: None)),
-    "batchrun/floor": ("httptools", on_backend(FloorTransport)),
+    "http11": (None, http11),
+    "batchrun/aiohttp": (None, on_backend(AiohttpTransport)),
+    "batchrun/http11": (None, on_backend(lambda _: None)),
 }
 
 

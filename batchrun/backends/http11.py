@@ -46,6 +46,8 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, key: Key) -> None:
         self.key = key
+        self.parts: list[bytes] = []  # body bytes received and not yet taken
+        self.on_body = self.parts.append  # llhttp's callback per body span: no Python frame
         self.parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -56,8 +58,8 @@ class _Connection(asyncio.Protocol):
     def _start(self) -> None:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
-        self.parts: list[bytes] = []
-        self.held = 0  # body bytes received and not yet taken
+        self.parts.clear()
+        self.held = 0  # bytes received since the body's bytes were last taken
         self.head_bytes = 0  # bytes heard before the head was whole
         self.head_done = False
         self.complete = False  # the whole response came
@@ -73,33 +75,36 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.transport.write(data)
 
-    async def wait(self, read_s: float | None) -> None:
-        """Until something comes (bytes, the end, a failure), or `read_s` passes."""
-        if self.error is None and not self._ready():
-            waiter = self.waiter = asyncio.get_running_loop().create_future()
-            timer = None
-            if read_s is not None:
-                timer = asyncio.get_running_loop().call_later(read_s, _expire, waiter)
+    async def wait(self, read_s: float | None, *, body: bool) -> None:
+        """Until the head came (`body` False) or, after it, body bytes or the body's end; a
+        failure is raised once nothing that came before it is left. `read_s`: the longest
+        wait for the next bytes."""
+        while self.error is None and not self._ready(body):
+            loop = asyncio.get_running_loop()
+            waiter = self.waiter = loop.create_future()
+            timer = None if read_s is None else loop.call_later(read_s, _expire, waiter)
             try:
                 await waiter
             finally:
                 self.waiter = None
                 if timer is not None:
                     timer.cancel()
-        if self.error is not None and not self._ready():
+        if self.error is not None and not self._ready(body):
             raise self.error
 
-    def _ready(self) -> bool:
-        """The head came and, after it, body bytes or the body's end."""
-        return self.head_done and (bool(self.parts) or self.complete)
+    def _ready(self, body: bool) -> bool:
+        return bool(self.parts) or self.complete if body else self.head_done
 
     def take(self) -> bytes:
         """The body bytes that came and were not taken yet."""
-        parts, self.parts, self.held = self.parts, [], 0
+        parts = self.parts
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        parts.clear()
+        self.held = 0
         if self.paused and not self.closed and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return data
 
     def close(self) -> None:
         self.closed = True
@@ -130,6 +135,13 @@ class _Connection(asyncio.Protocol):
                 self.close()
             else:
                 self._fail(httpx.RemoteProtocolError(f"malformed response: {exc}"))
+            return
+        if self.head_done and not self.complete:
+            self.held += len(data)
+            if self.held > PAUSE_BYTES and not self.paused and self.transport is not None:
+                self.paused = True
+                self.transport.pause_reading()  # the reader is behind: let TCP hold the rest
+        self._wake()  # once a read, not once an event of a stream
 
     def on_message_begin(self) -> None:
         if self.complete:  # a response nobody asked for, in the same read: stop parsing
@@ -145,15 +157,6 @@ class _Connection(asyncio.Protocol):
             return
         self.status = status
         self.head_done = True
-        self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        self.parts.append(body)
-        self.held += len(body)
-        if self.held > PAUSE_BYTES and not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()  # the reader is behind: let TCP hold the rest
-        self._wake()
 
     def on_message_complete(self) -> None:
         if self.interim:
@@ -162,7 +165,6 @@ class _Connection(asyncio.Protocol):
         self.complete = True
         if not self.parser.should_keep_alive():
             self.close()
-        self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -226,7 +228,7 @@ class Http11Transport(httpx.AsyncBaseTransport):
             if trace is not None:
                 await trace("http11.send_request_headers.started", {})
             connection.send(_written(request))
-            await connection.wait(timeouts.get("read"))
+            await connection.wait(timeouts.get("read"), body=False)
         except BaseException:
             if connection is not None:
                 connection.close()
@@ -332,7 +334,7 @@ class Body(httpx.AsyncByteStream):
     async def read(self) -> bytes:
         connection, parts = self._connection, []
         while True:
-            await connection.wait(self._read_s)
+            await connection.wait(self._read_s, body=True)
             if connection.parts:
                 parts.append(connection.take())
             if connection.complete:
@@ -345,7 +347,7 @@ class Body(httpx.AsyncByteStream):
         """The body as it arrives: all that came since the last read, at a time."""
         connection = self._connection
         while True:
-            await connection.wait(self._read_s)
+            await connection.wait(self._read_s, body=True)
             if connection.parts:
                 yield connection.take()
             elif connection.complete:

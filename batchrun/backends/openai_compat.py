@@ -55,7 +55,7 @@ class OpenAICompatBackend:
         self.stream_options = stream_options
         self._api_key = api_key
         self._max_connections = max_connections
-        # aiohttp's engine under httpx (see aiohttp_transport.py): its cost per request and per
+        # batchrun's own engine under httpx (see http11.py): its cost per request and per
         # streamed chunk is a fraction of httpcore's. Requests go straight to the transport:
         # httpx.AsyncClient's cookies, redirects, auth and URL merging cost more per request
         # than the wire itself, and a completion needs none of them.
@@ -361,7 +361,7 @@ class _ConnectionTrace:
 
 def _body(resp: httpx.Response) -> AsyncGenerator[bytes, None]:
     """The body as it arrives. We ask for no compression, so it comes as sent: read it as the
-    transport hands it over (aiohttp's straight from its reads, one generator rather than
+    transport hands it over (the engine's straight from its reads, one generator rather than
     three a network read), unless a server compressed it all the same."""
     if resp.is_stream_consumed:  # a response made whole (an injected test transport)
         return _once(resp.content)
@@ -382,8 +382,8 @@ async def _passed(parts: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
 
 
 async def _whole_body(resp: httpx.Response) -> bytes:
-    """The whole body: in one read where aiohttp's engine carries it uncompressed (its buffer
-    joined in C, no async iteration per network read), else as it arrives."""
+    """The whole body: in one read where the engine carries it uncompressed (no async
+    iteration per network read), else as it arrives."""
     encoding = resp.headers.get("content-encoding", "identity")
     if encoding == "identity" and isinstance(resp.stream, Body):
         return await resp.stream.read()

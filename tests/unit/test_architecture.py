@@ -51,8 +51,9 @@ def test_import_direction(path: Path) -> None:
         assert not uses(names, "httpx"), (
             f"{where}: only backends/ (and the sim transport) use httpx"
         )
-    if where != "backends/aiohttp_transport.py":
-        assert not uses(names, "aiohttp"), f"{where}: only the aiohttp transport uses aiohttp"
+    if where != "backends/http11.py":
+        assert not uses(names, "httptools"), f"{where}: only the HTTP engine parses HTTP"
+    assert not uses(names, "aiohttp"), f"{where}: batchrun's HTTP engine is its own (http11.py)"
     if where.startswith("backends/"):
         assert not uses(names, "batchrun.ledger"), f"{where}: backends never import the ledger"
     if where.startswith("ledger/"):

@@ -1,4 +1,6 @@
-"""aiohttp's HTTP/1.1 engine under httpx's API: the default transport for real endpoints.
+"""aiohttp's HTTP/1.1 engine under httpx's API: batchrun's transport for real endpoints until
+its own engine (batchrun/backends/http11.py), kept here as the baseline benchmarks/engines.py
+measures the backend against.
 
 httpx stays the interface (requests, responses, injected transports in tests and the
 simulator); only the wire work moves to aiohttp, whose parser and connection pool are in C
@@ -32,6 +34,8 @@ from typing import Any
 
 import aiohttp
 import httpx
+
+from batchrun.backends.http11 import Body
 
 Trace = Callable[[str, dict[str, Any]], Awaitable[None]]
 CONNECT_S = 10.0
@@ -141,8 +145,10 @@ def _client_timeout(connect: float, read: float | None) -> aiohttp.ClientTimeout
     return aiohttp.ClientTimeout(total=None, sock_connect=connect, sock_read=read)
 
 
-class AiohttpBody(httpx.AsyncByteStream):
-    """A response body from aiohttp: iterated as it arrives, or `read` whole."""
+class AiohttpBody(Body):
+    """A response body from aiohttp: iterated as it arrives, or `read` whole. A subclass of the
+    engine's body (every method overridden), so the backend reads it the ways it reads its
+    own engine's (`ended`, `read`, `chunks`): the comparison is of engines alone."""
 
     def __init__(self, response: aiohttp.ClientResponse) -> None:
         self._response = response
