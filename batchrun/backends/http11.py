@@ -131,11 +131,11 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._fail(httpx.RemoteProtocolError("the server switched protocols"))
         except httptools.HttpParserError as exc:
-            if self.complete:  # another response after this one's end (on_message_begin)
-                self.close()
-            else:
+            if not self.complete:
                 self._fail(httpx.RemoteProtocolError(f"malformed response: {exc}"))
-            return
+                return
+            self.close()  # another response after this one's end (on_message_begin): the
+            # answer came whole, its reader is woken below
         if self.head_done and not self.complete:
             self.held += len(data)
             if self.held > PAUSE_BYTES and not self.paused and self.transport is not None:
