@@ -11,10 +11,11 @@ interpreter start and file loading included). Server CPU per request is printed 
 server near one core per wall second means the server, not the client, set the pace.
 
 Contenders: bare httpx and bare aiohttp loops (no ledger, retries or logging: the floor;
-streamed, they read lines and parse each event, as their documentation shows), raw aiohttp
-loops that read the bytes and nothing else (what the engine itself costs, streamed and not:
-with both and batchrun's two, the run says how close to not streamed a streamed batchrun
-could come on this engine), and `batchrun submit --concurrency C` streamed and not. With
+streamed, they read lines and parse each event, as their documentation shows), raw loops on
+aiohttp and on batchrun's own engine (backends/http11.py) that read the bytes and nothing
+else (what each engine itself costs, streamed and not: with batchrun's two, the run says how
+close to not streamed a streamed batchrun could come on its engine), and `batchrun submit
+--concurrency C` streamed and not. With
 `--cookbook PATH` (a copy of the OpenAI cookbook's api_request_parallel_processor.py; this
 repository holds none of its code), that script too, not streamed, with budgets too large to
 bind and C requests in flight (benchmarks/cookbook_runner.py says how). Child processes load
@@ -44,6 +45,8 @@ import aiohttp
 import anyio
 import httpx
 import orjson
+
+from batchrun.backends.http11 import Http11Transport
 
 HERE = Path(__file__).resolve().parent
 MODEL = "fast-1"
@@ -171,6 +174,25 @@ async def bare_aiohttp(
 raw_aiohttp = functools.partial(bare_aiohttp, parse=False)
 
 
+async def raw_http11(url: str, items: list[bytes], concurrency: int, stream: bool) -> None:
+    """batchrun's engine (backends/http11.py) alone, under httpx's transport seam: each body's
+    bytes read as they come, nothing else (the raw loop, as raw_aiohttp on aiohttp's)."""
+    transport = Http11Transport(concurrency)
+    headers = {"content-type": "application/json"}
+
+    async def send(body: bytes) -> None:
+        request = httpx.Request("POST", url, headers=headers, content=body)
+        response = await transport.handle_async_request(request)
+        async for _data in response.stream:  # type: ignore[union-attr]
+            pass
+        await response.aclose()
+
+    try:
+        await run_workers(concurrency, items, send)
+    finally:
+        await transport.aclose()
+
+
 def write_requests(work: Path, n: int) -> Path:
     """`n` chat requests (`Rewrite item i.`) as a JSONL file in `work`."""
     path = work / "requests.jsonl"
@@ -280,6 +302,11 @@ def contenders(args: argparse.Namespace) -> dict[str, tuple[bool, Callable[..., 
             True,
             lambda url, _w: in_process(raw_aiohttp, url, streamed, c, True),
         ),
+        "raw-http11": (False, lambda url, _w: in_process(raw_http11, url, plain, c, False)),
+        "raw-http11-stream": (
+            True,
+            lambda url, _w: in_process(raw_http11, url, streamed, c, True),
+        ),
         "bare-httpx": (False, lambda url, _w: in_process(bare_httpx, url, plain, c, False)),
         "bare-httpx-stream": (True, lambda url, _w: in_process(bare_httpx, url, streamed, c, True)),
         "batchrun": (False, lambda url, w: batchrun(url, w, args, False)),
@@ -373,14 +400,14 @@ def goals(med: dict[str, tuple[float, float, float, float]], n: int, tokens: int
     if plain and streamed:
         ratio = plain[0] / streamed[0]
         print(f"batchrun streamed / not streamed, whole command: {ratio:.2f} (goal >= 0.9)")
-        raw, raw_stream = med.get("raw-aiohttp"), med.get("raw-aiohttp-stream")
+        raw, raw_stream = med.get("raw-http11"), med.get("raw-http11-stream")
         if raw and raw_stream:
             # what streaming costs the engine alone, added to batchrun's unstreamed command
             extra = raw_stream[0] - raw[0]
             ceiling = plain[0] / (plain[0] + extra)
             print(
-                f"  the engine alone adds {extra / n * 1e6:.0f} us a streamed request (bytes "
-                f"read, nothing parsed): {ceiling:.2f} at best with it"
+                f"  batchrun's engine alone adds {extra / n * 1e6:.0f} us a streamed request "
+                f"(bytes read, nothing parsed): {ceiling:.2f} at best with it"
             )
     if streamed:
         print(f"batchrun streamed chunks/s (run): {n * tokens / streamed[2]:.0f} (goal >= 20,000)")

@@ -37,10 +37,9 @@ from urllib.parse import urlsplit
 
 import httpx
 from aiohttp_transport import AiohttpTransport
-from client_cost import MODEL, bodies, raw_aiohttp, run_workers, start_server
+from client_cost import MODEL, bodies, raw_aiohttp, raw_http11, run_workers, start_server
 
 from batchrun.backends.base import CompletionRequest
-from batchrun.backends.http11 import Http11Transport
 from batchrun.backends.openai_compat import OpenAICompatBackend
 
 CONCURRENCY = 32
@@ -90,24 +89,6 @@ async def httptools_floor(url: str, items: list[bytes], concurrency: int, stream
         idle.append(connection)
 
     await run_workers(concurrency, items, send)
-
-
-async def http11(url: str, items: list[bytes], concurrency: int, stream: bool) -> None:
-    """batchrun's engine (backends/http11.py) alone, under httpx's transport seam: the raw loop."""
-    transport = Http11Transport(concurrency)
-    headers = {"content-type": "application/json"}
-
-    async def send(body: bytes) -> None:
-        request = httpx.Request("POST", url, headers=headers, content=body)
-        response = await transport.handle_async_request(request)
-        async for _data in response.stream:  # type: ignore[union-attr]
-            pass
-        await response.aclose()
-
-    try:
-        await run_workers(concurrency, items, send)
-    finally:
-        await transport.aclose()
 
 
 def on_backend(transport: Callable[[int], httpx.AsyncBaseTransport | None]) -> Loop:
@@ -166,7 +147,7 @@ ENGINES: dict[str, tuple[str | None, Loop]] = {  # name: (module it needs, loop)
     "httptools-floor": ("httptools", httptools_floor),
     "pyreqwest": ("pyreqwest", pyreqwest),
     "curl_cffi": ("curl_cffi", curl_cffi),
-    "http11": (None, http11),
+    "http11": (None, raw_http11),
     "batchrun/aiohttp": (None, on_backend(AiohttpTransport)),
     "batchrun/http11": (None, on_backend(lambda _: None)),
 }
