@@ -9,7 +9,8 @@ these that its stack shows, innermost first:
   ledger       SQLAlchemy and sqlite3 (claims, group commits, the results file)
   answers      SSE framing, JSON parsing, assembling the answer (backends/sse.py, answers.py,
                frames.py)
-  http engine  aiohttp (the wire: request writing, response parsing, connection pool)
+  http engine  batchrun's own (backends/http11.py and llhttp under it: request writing,
+               response parsing, connection pool)
   httpx        httpx's Request/Response objects at the transport seam
   log+progress the job log and progress (progress.py)
   pacing       throttle, controller, limiter, retry policy, tenacity
@@ -36,7 +37,7 @@ CATEGORIES = [  # (name, pattern on a frame's file), first match from the innerm
     ("startup", r"<frozen importlib|_find_and_load"),
     ("ledger", r"sqlalchemy/|sqlite3/|batchrun/ledger/|batchrun/outputs\.py"),
     ("answers", r"batchrun/backends/(sse|answers|frames)\.py"),
-    ("http engine", r"aiohttp/|yarl/|multidict/"),
+    ("http engine", r"batchrun/backends/http11\.py|httptools/"),
     ("httpx", r"httpx/"),
     ("log+progress", r"batchrun/progress\.py|tqdm/"),
     ("pacing", r"batchrun/(throttle|controller|evidence|limiter|retrying)\.py|tenacity/"),
