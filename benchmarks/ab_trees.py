@@ -33,9 +33,10 @@ def one_job(
 ) -> tuple[float, float, float]:
     """(wall, CPU, sending) seconds of one `batchrun submit` run from `tree`'s sources."""
     job = f"ab{time.monotonic_ns()}"
-    command = [sys.executable, "-m", "batchrun", "--home", str(work / "home"), "submit"]
+    # A home of its own per run: a ledger grown by earlier runs slows every run after them.
+    command = [sys.executable, "-m", "batchrun", "--home", str(work / job), "submit"]
     command += [str(work / "requests.jsonl"), "--job", job, "--base-url", url]
-    command += ["--model", "fast-1", "--concurrency", str(concurrency), "--quiet", "--no-reuse"]
+    command += ["--model", "fast-1", "--concurrency", str(concurrency), "--quiet"]
     command.append(f"--{mode}")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
@@ -43,7 +44,7 @@ def one_job(
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-    log = (work / "home" / "logs" / f"{job}.log").read_text().splitlines()
+    log = (work / job / "logs" / f"{job}.log").read_text().splitlines()
     stopped = next(e for e in map(json.loads, log) if e["event"] == "run_stopped")
     return wall, cpu, stopped["elapsed_s"]
 

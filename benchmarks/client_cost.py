@@ -15,7 +15,8 @@ streamed, they read lines and parse each event, as their documentation shows), r
 aiohttp and on batchrun's own engine (backends/http11.py) that read the bytes and nothing
 else (what each engine itself costs, streamed and not: with batchrun's two, the run says how
 close to not streamed a streamed batchrun could come on its engine), and `batchrun submit
---concurrency C` streamed and not. With
+--concurrency C` streamed and not, each run in a home of its own (a fresh ledger, as a first
+run has: one grown by earlier runs slows both modes, and hides the streamed share). With
 `--cookbook PATH` (a copy of the OpenAI cookbook's api_request_parallel_processor.py; this
 repository holds none of its code), that script too, not streamed, with budgets too large to
 bind and C requests in flight (benchmarks/cookbook_runner.py says how). Child processes load
@@ -243,7 +244,7 @@ def batchrun(url: str, work: Path, args: argparse.Namespace, stream: bool) -> Me
         "-m",
         "batchrun",
         "--home",
-        str(work / "home"),
+        str(work / job),  # a home of its own: a ledger grown by earlier runs slows both modes
         "submit",
         str(work / "requests.jsonl"),
         "--job",
@@ -255,11 +256,10 @@ def batchrun(url: str, work: Path, args: argparse.Namespace, stream: bool) -> Me
         "--concurrency",
         str(args.concurrency),
         "--quiet",
-        "--no-reuse",  # every run sends its requests (one home: later runs would reuse answers)
         *([] if stream else ["--no-stream"]),
     ]
     measured = child(command)
-    log = (work / "home" / "logs" / f"{job}.log").read_text().splitlines()
+    log = (work / job / "logs" / f"{job}.log").read_text().splitlines()
     stopped = next(e for e in map(json.loads, log) if e["event"] == "run_stopped")
     return replace(measured, run_s=stopped["elapsed_s"])
 

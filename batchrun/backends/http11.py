@@ -60,7 +60,9 @@ class _Connection(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.parts.clear()
         self.held = 0  # bytes received since the body's bytes were last taken
-        self.head_bytes = 0  # bytes heard before the head was whole
+        self.head_bytes = 0  # bytes of the head that is not whole yet, in whole reads
+        self.header_bytes = 0  # bytes of its header lines parsed so far
+        self.heard = False  # a byte of answer came (an interim one included)
         self.head_done = False
         self.complete = False  # the whole response came
         self.interim = False  # a 1xx response, skipped
@@ -70,8 +72,12 @@ class _Connection(asyncio.Protocol):
     # --- the request side ----------------------------------------------------------------------
 
     def send(self, data: bytes) -> None:
+        error = self.error
         self._start()
         self.idle = False
+        if self.closed:  # closed while the request's trace ran: not a byte of it answered
+            self.error = error or httpx.RemoteProtocolError(UNANSWERED)
+            return
         assert self.transport is not None
         self.transport.write(data)
 
@@ -121,11 +127,7 @@ class _Connection(asyncio.Protocol):
         if self.idle or self.complete or self.error is not None:
             self.close()  # bytes nobody asked for: this connection cannot be trusted again
             return
-        if not self.head_done:
-            self.head_bytes += len(data)
-            if self.head_bytes > MAX_HEAD_BYTES:
-                self._fail(httpx.RemoteProtocolError("response head too large"))
-                return
+        self.heard = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -136,7 +138,13 @@ class _Connection(asyncio.Protocol):
                 return
             self.close()  # another response after this one's end (on_message_begin): the
             # answer came whole, its reader is woken below
-        if self.head_done and not self.complete:
+        if not self.head_done:  # all of this read is head: counted after, so a body is not
+            # (a head that ends in this read is counted by its header lines: on_header)
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD_BYTES:
+                self._fail(httpx.RemoteProtocolError("response head too large"))
+                return
+        elif not self.complete:
             self.held += len(data)
             if self.held > PAUSE_BYTES and not self.paused and self.transport is not None:
                 self.paused = True
@@ -145,10 +153,14 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         if self.complete:  # a response nobody asked for, in the same read: stop parsing
-            raise _Unasked
+            raise _Stop
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
+        self.header_bytes += len(name) + len(value)
+        if self.header_bytes > MAX_HEAD_BYTES:  # a head whole in one read, yet too large
+            self.error = httpx.RemoteProtocolError("response head too large")
+            raise _Stop
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
@@ -160,7 +172,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         if self.interim:
-            self.interim, self.headers, self.head_bytes = False, [], 0
+            self.interim, self.headers, self.head_bytes, self.header_bytes = False, [], 0, 0
             return
         self.complete = True
         if not self.parser.should_keep_alive():
@@ -172,7 +184,7 @@ class _Connection(asyncio.Protocol):
             return
         if self.head_done and exc is None and _to_close(self.headers):
             self.complete = True  # a body that ends with its connection: ended whole
-        elif not self.head_done and not self.head_bytes:  # not a byte of answer
+        elif not self.heard:  # not a byte of answer
             if exc is None:
                 self._fail(httpx.RemoteProtocolError(UNANSWERED))
             else:
@@ -193,8 +205,9 @@ class _Connection(asyncio.Protocol):
             self.waiter.set_result(None)
 
 
-class _Unasked(Exception):
-    """Raised in a parser callback to stop parsing bytes that no request asked for."""
+class _Stop(Exception):
+    """Raised in a parser callback to stop parsing: bytes no request asked for, or a head
+    too large."""
 
 
 def _expire(waiter: asyncio.Future[None]) -> None:
@@ -217,15 +230,20 @@ class Http11Transport(httpx.AsyncBaseTransport):
         self._slots = asyncio.Semaphore(max_connections)
         self._idle: dict[Key, list[_Connection]] = {}
         self._tls: ssl.SSLContext | None = None
+        self._closed = False  # aclose() ran: no connection goes back to the pool
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "HEAD":  # its answer's head says a length that never comes
+            raise NotImplementedError("batchrun's HTTP engine does not send HEAD requests")
         timeouts = request.extensions.get("timeout", {})
         trace: Trace | None = request.extensions.get("trace")
         await self._slots.acquire()
         connection: _Connection | None = None
         try:
-            connection = await self._connection(request.url, timeouts.get("connect"), trace)
+            connection, opened = await self._connection(request.url, timeouts.get("connect"))
             if trace is not None:
+                if opened:
+                    await trace("connection.connect_tcp.complete", {})
                 await trace("http11.send_request_headers.started", {})
             connection.send(_written(request))
             await connection.wait(timeouts.get("read"), body=False)
@@ -243,19 +261,17 @@ class Http11Transport(httpx.AsyncBaseTransport):
         )
 
     async def _connection(
-        self, url: httpx.URL, connect_s: float | None, trace: Trace | None
-    ) -> _Connection:
-        """A kept-alive connection to the URL's host that heard nothing while idle, or a new one."""
+        self, url: httpx.URL, connect_s: float | None
+    ) -> tuple[_Connection, bool]:
+        """A kept-alive connection to the URL's host that heard nothing while idle, or a new
+        one (then True)."""
         key = (url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80))
         idle = self._idle.get(key)
         while idle:
             connection = idle.pop()
             if not connection.closed:
-                return connection
-        connection = await self._open(key, CONNECT_S if connect_s is None else connect_s)
-        if trace is not None:
-            await trace("connection.connect_tcp.complete", {})
-        return connection
+                return connection, False
+        return await self._open(key, CONNECT_S if connect_s is None else connect_s), True
 
     async def _open(self, key: Key, connect_s: float) -> _Connection:
         scheme, host, port = key
@@ -289,13 +305,14 @@ class Http11Transport(httpx.AsyncBaseTransport):
         """A response was closed: its connection goes back to the pool if its response ended
         whole and the server keeps it alive; else it is closed."""
         self._slots.release()
-        if not (self._keepalive and connection.complete and not connection.closed):
+        if self._closed or not (self._keepalive and connection.complete and not connection.closed):
             connection.close()
             return
         connection.idle = True
         self._idle.setdefault(connection.key, []).append(connection)
 
     async def aclose(self) -> None:
+        self._closed = True
         for connections in self._idle.values():
             for connection in connections:
                 connection.close()
@@ -329,11 +346,12 @@ class Body(httpx.AsyncByteStream):
     def ended(self) -> bool:
         """Whether the body's end has come in (its last bytes may be unread): the connection
         can go back to the pool without a read that waits."""
-        return self._connection.complete
+        return self._open and self._connection.complete
 
     async def read(self) -> bytes:
         connection, parts = self._connection, []
         while True:
+            self._check_open()
             await connection.wait(self._read_s, body=True)
             if connection.parts:
                 parts.append(connection.take())
@@ -347,11 +365,17 @@ class Body(httpx.AsyncByteStream):
         """The body as it arrives: all that came since the last read, at a time."""
         connection = self._connection
         while True:
+            self._check_open()
             await connection.wait(self._read_s, body=True)
             if connection.parts:
                 yield connection.take()
             elif connection.complete:
                 return
+
+    def _check_open(self) -> None:
+        """A closed body's connection may be carrying another response by now."""
+        if not self._open:
+            raise httpx.StreamClosed()
 
     async def aclose(self) -> None:
         # Whole, the connection goes back to the pool; else it is closed.
