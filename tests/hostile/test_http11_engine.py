@@ -14,7 +14,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -41,6 +41,22 @@ async def _serve(handler: Handler) -> tuple[asyncio.Server, str]:
 
     server = await asyncio.start_server(guarded, "127.0.0.1", 0)
     return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+
+
+@contextlib.asynccontextmanager
+async def _engine(
+    handler: Handler, connections: int = 1
+) -> AsyncIterator[tuple[Http11Transport, str]]:
+    """A server running `handler` and an engine of `connections` slots to ask it, closed after,
+    all within LIMIT seconds."""
+    with anyio.fail_after(LIMIT):
+        server, url = await _serve(handler)
+        async with server:
+            transport = Http11Transport(connections)
+            try:
+                yield transport, url
+            finally:
+                await transport.aclose()
 
 
 async def _request_in(reader: asyncio.StreamReader) -> bytes:
@@ -137,15 +153,11 @@ def test_a_pooled_connection_closed_while_the_trace_awaits_fails_rather_than_han
         await asyncio.sleep(0.1)  # an idle keep-alive timeout: close the idle connection
 
     async def main() -> None:
-        with anyio.fail_after(LIMIT):
-            server, url = await _serve(handler)
-            async with server:
-                transport = Http11Transport(1)
-                assert await _ask(transport, url) == (200, b"ok")
-                trace = Trace("http11.send_request_headers.started", 0.4)
-                with pytest.raises(httpx.RemoteProtocolError, match=UNANSWERED):
-                    await _ask(transport, url, trace=trace)
-                await transport.aclose()
+        async with _engine(handler) as (transport, url):
+            assert await _ask(transport, url) == (200, b"ok")
+            trace = Trace("http11.send_request_headers.started", 0.4)
+            with pytest.raises(httpx.RemoteProtocolError, match=UNANSWERED):
+                await _ask(transport, url, trace=trace)
 
     anyio.run(main)
 
@@ -159,14 +171,10 @@ def test_a_new_connection_closed_while_the_trace_awaits_fails_rather_than_hangs(
         pass  # accept, then close
 
     async def main() -> None:
-        with anyio.fail_after(LIMIT):
-            server, url = await _serve(handler)
-            async with server:
-                transport = Http11Transport(1)
-                trace = Trace("connection.connect_tcp.complete", 0.3)
-                with pytest.raises(httpx.RemoteProtocolError, match=UNANSWERED):
-                    await _ask(transport, url, trace=trace)
-                await transport.aclose()
+        async with _engine(handler) as (transport, url):
+            trace = Trace("connection.connect_tcp.complete", 0.3)
+            with pytest.raises(httpx.RemoteProtocolError, match=UNANSWERED):
+                await _ask(transport, url, trace=trace)
 
     anyio.run(main)
 
@@ -255,20 +263,16 @@ def test_a_body_read_after_its_response_closed_does_not_read_the_next_response()
     (or at least nothing of another response)."""
 
     async def main() -> None:
-        with anyio.fail_after(LIMIT):
-            server, url = await _serve(_scripted(lambda n: _sized(b"answer %d" % n)))
-            async with server:
-                transport = Http11Transport(1)
-                first = await transport.handle_async_request(_get(url))
-                assert await first.stream.read() == b"answer 0"
-                await first.aclose()
-                second = await transport.handle_async_request(_get(url))
-                leaked = None
-                with contextlib.suppress(httpx.StreamClosed):
-                    leaked = await first.stream.read()
-                assert leaked is None, f"a closed body read another response: {leaked!r}"
-                await second.aclose()
-                await transport.aclose()
+        async with _engine(_scripted(lambda n: _sized(b"answer %d" % n))) as (transport, url):
+            first = await transport.handle_async_request(_get(url))
+            assert await first.stream.read() == b"answer 0"
+            await first.aclose()
+            second = await transport.handle_async_request(_get(url))
+            leaked = None
+            with contextlib.suppress(httpx.StreamClosed):
+                leaked = await first.stream.read()
+            assert leaked is None, f"a closed body read another response: {leaked!r}"
+            await second.aclose()
 
     anyio.run(main)
 
@@ -299,17 +303,13 @@ def test_a_request_cancelled_while_the_connect_trace_awaits_closes_its_new_conne
             closed.set()
 
     async def main() -> None:
-        with anyio.fail_after(LIMIT):
-            server, url = await _serve(handler)
-            async with server:
-                transport = Http11Transport(1)
-                trace = Trace("connection.connect_tcp.complete", 10)
-                with anyio.move_on_after(0.2):
-                    await _ask(transport, url, trace=trace)
-                assert _slot_free(transport)
-                with anyio.fail_after(1):
-                    await closed.wait()  # the client closed the connection it opened
-                await transport.aclose()
+        async with _engine(handler) as (transport, url):
+            trace = Trace("connection.connect_tcp.complete", 10)
+            with anyio.move_on_after(0.2):
+                await _ask(transport, url, trace=trace)
+            assert _slot_free(transport)
+            with anyio.fail_after(1):
+                await closed.wait()  # the client closed the connection it opened
 
     anyio.run(main)
 
@@ -332,15 +332,11 @@ def test_an_interim_then_part_of_the_answer_then_a_close_is_not_unanswered() -> 
         await writer.drain()
 
     async def main() -> None:
-        with anyio.fail_after(LIMIT):
-            server, url = await _serve(handler)
-            async with server:
-                transport = Http11Transport(1)
-                assert await _ask(transport, url) == (200, b"ok")
-                with pytest.raises(httpx.RemoteProtocolError) as caught:
-                    await _ask(transport, url)
-                assert str(caught.value) != UNANSWERED
-                await transport.aclose()
+        async with _engine(handler) as (transport, url):
+            assert await _ask(transport, url) == (200, b"ok")
+            with pytest.raises(httpx.RemoteProtocolError) as caught:
+                await _ask(transport, url)
+            assert str(caught.value) != UNANSWERED
 
     anyio.run(main)
 
@@ -377,16 +373,12 @@ def test_a_pooled_connection_that_heard_anything_while_idle_is_not_reused(
             await asyncio.sleep(5)
 
     async def main() -> None:
-        with anyio.fail_after(LIMIT):
-            server, url = await _serve(handler)
-            async with server:
-                transport = Http11Transport(1)
-                assert await _ask(transport, url) == (200, b"ok")
-                await asyncio.sleep(0.2)
-                trace = Trace()
-                assert await _ask(transport, url, trace=trace) == (200, b"ok")
-                assert trace.opened
-                await transport.aclose()
+        async with _engine(handler) as (transport, url):
+            assert await _ask(transport, url) == (200, b"ok")
+            await asyncio.sleep(0.2)
+            trace = Trace()
+            assert await _ask(transport, url, trace=trace) == (200, b"ok")
+            assert trace.opened
 
     anyio.run(main)
 
@@ -397,14 +389,10 @@ def test_a_server_closing_right_after_an_answer_without_saying_so_costs_no_reque
         writer.write(_sized(b"ok"))  # then close, no "connection: close"
 
     async def main() -> None:
-        with anyio.fail_after(LIMIT):
-            server, url = await _serve(handler)
-            async with server:
-                transport = Http11Transport(1)
-                for _ in range(3):
-                    await asyncio.sleep(0.05)
-                    assert await _ask(transport, url) == (200, b"ok")
-                await transport.aclose()
+        async with _engine(handler) as (transport, url):
+            for _ in range(3):
+                await asyncio.sleep(0.05)
+                assert await _ask(transport, url) == (200, b"ok")
 
     anyio.run(main)
 
@@ -424,19 +412,15 @@ def test_a_stale_pooled_connection_met_by_a_request_fails_as_the_backend_expects
             _reset(writer)
 
     async def main() -> None:
-        with anyio.fail_after(LIMIT):
-            server, url = await _serve(handler)
-            async with server:
-                transport = Http11Transport(1)
-                assert await _ask(transport, url) == (200, b"ok")
-                trace = Trace()
-                expected = httpx.ReadError if reset else httpx.RemoteProtocolError
-                with pytest.raises(expected) as caught:
-                    await _ask(transport, url, trace=trace)
-                assert reset or str(caught.value) == UNANSWERED
-                assert not trace.opened  # the backend re-sends: it went out on a pooled one
-                assert await _ask(transport, url) == (200, b"ok")
-                await transport.aclose()
+        async with _engine(handler) as (transport, url):
+            assert await _ask(transport, url) == (200, b"ok")
+            trace = Trace()
+            expected = httpx.ReadError if reset else httpx.RemoteProtocolError
+            with pytest.raises(expected) as caught:
+                await _ask(transport, url, trace=trace)
+            assert reset or str(caught.value) == UNANSWERED
+            assert not trace.opened  # the backend re-sends: it went out on a pooled one
+            assert await _ask(transport, url) == (200, b"ok")
 
     anyio.run(main)
 
@@ -450,14 +434,10 @@ def test_a_reset_after_the_head_is_remote_protocol_error_mid_body() -> None:
         _reset(writer)
 
     async def main() -> None:
-        with anyio.fail_after(LIMIT):
-            server, url = await _serve(handler)
-            async with server:
-                transport = Http11Transport(1)
-                with pytest.raises(httpx.RemoteProtocolError, match="mid-body"):
-                    await _ask(transport, url)
-                assert _slot_free(transport)
-                await transport.aclose()
+        async with _engine(handler) as (transport, url):
+            with pytest.raises(httpx.RemoteProtocolError, match="mid-body"):
+                await _ask(transport, url)
+            assert _slot_free(transport)
 
     anyio.run(main)
 
@@ -590,18 +570,14 @@ def test_bytes_after_a_sized_body_end_it_and_drop_the_connection(when: str) -> N
                 writer.write(_sized(b"unasked"))
 
     async def main() -> None:
-        with anyio.fail_after(LIMIT):
-            server, url = await _serve(handler)
-            async with server:
-                transport = Http11Transport(1)
-                for _ in range(2):
-                    trace = Trace()
-                    response = await transport.handle_async_request(_get(url, trace=trace))
-                    assert await response.aread() == b"abcdef"
-                    await asyncio.sleep(0.2)  # the unasked bytes come before the close
-                    await response.aclose()
-                    assert trace.opened
-                await transport.aclose()
+        async with _engine(handler) as (transport, url):
+            for _ in range(2):
+                trace = Trace()
+                response = await transport.handle_async_request(_get(url, trace=trace))
+                assert await response.aread() == b"abcdef"
+                await asyncio.sleep(0.2)  # the unasked bytes come before the close
+                await response.aclose()
+                assert trace.opened
 
     anyio.run(main)
 
@@ -614,15 +590,11 @@ def test_a_close_delimited_body_with_keep_alive_ends_with_the_connection() -> No
         writer.write(answer)
 
     async def main() -> None:
-        with anyio.fail_after(LIMIT):
-            server, url = await _serve(handler)
-            async with server:
-                transport = Http11Transport(1)
-                for _ in range(2):
-                    trace = Trace()
-                    assert await _ask(transport, url, trace=trace) == (200, b"all of it")
-                    assert trace.opened
-                await transport.aclose()
+        async with _engine(handler) as (transport, url):
+            for _ in range(2):
+                trace = Trace()
+                assert await _ask(transport, url, trace=trace) == (200, b"all of it")
+                assert trace.opened
 
     anyio.run(main)
 
@@ -729,21 +701,17 @@ def test_read_timeout_between_chunks_and_a_timer_racing_data() -> None:
             await writer.drain()
 
     async def main() -> None:
-        with anyio.fail_after(LIMIT):
-            server, url = await _serve(handler)
-            async with server:
-                transport = Http11Transport(1)
-                response = await transport.handle_async_request(_get(url, read_s=0.3))
-                parts = []
-                with pytest.raises(httpx.ReadTimeout):
-                    async for part in response.stream:
-                        parts.append(part)
-                await response.aclose()
-                assert b"".join(parts) == b"abbbbb" and _slot_free(transport)
-                trace = Trace()
-                assert await _ask(transport, url, trace=trace, read_s=2) == (200, b"abbbbb")
-                assert trace.opened  # the timed-out one was not pooled
-                await transport.aclose()
+        async with _engine(handler) as (transport, url):
+            response = await transport.handle_async_request(_get(url, read_s=0.3))
+            parts = []
+            with pytest.raises(httpx.ReadTimeout):
+                async for part in response.stream:
+                    parts.append(part)
+            await response.aclose()
+            assert b"".join(parts) == b"abbbbb" and _slot_free(transport)
+            trace = Trace()
+            assert await _ask(transport, url, trace=trace, read_s=2) == (200, b"abbbbb")
+            assert trace.opened  # the timed-out one was not pooled
 
     anyio.run(main)
 
@@ -752,17 +720,13 @@ def test_a_large_body_never_read_then_closed_frees_everything() -> None:
     body = b"z" * (4 * PAUSE_BYTES)
 
     async def main() -> None:
-        with anyio.fail_after(LIMIT):
-            server, url = await _serve(_scripted(lambda n: _sized(body)))
-            async with server:
-                transport = Http11Transport(1)
-                response = await transport.handle_async_request(_get(url))
-                await asyncio.sleep(0.3)  # the socket pauses past PAUSE_BYTES unread
-                assert response.stream._connection.paused
-                await response.aclose()
-                status, got = await _ask(transport, url)
-                assert status == 200 and got == body
-                await transport.aclose()
+        async with _engine(_scripted(lambda n: _sized(body))) as (transport, url):
+            response = await transport.handle_async_request(_get(url))
+            await asyncio.sleep(0.3)  # the socket pauses past PAUSE_BYTES unread
+            assert response.stream._connection.paused
+            await response.aclose()
+            status, got = await _ask(transport, url)
+            assert status == 200 and got == body
 
     anyio.run(main)
 
@@ -789,13 +753,9 @@ def test_a_reset_before_any_answer_is_read_error_on_a_new_connection() -> None:
         _reset(writer)
 
     async def main() -> None:
-        with anyio.fail_after(LIMIT):
-            server, url = await _serve(handler)
-            async with server:
-                transport = Http11Transport(1)
-                with pytest.raises(httpx.ReadError):
-                    await _ask(transport, url)
-                assert _slot_free(transport)
-                await transport.aclose()
+        async with _engine(handler) as (transport, url):
+            with pytest.raises(httpx.ReadError):
+                await _ask(transport, url)
+            assert _slot_free(transport)
 
     anyio.run(main)
