@@ -20,7 +20,9 @@ Its contract with the backend, beyond httpx.AsyncBaseTransport's:
 - a pooled connection that heard anything while idle (a response nobody asked for, a 408
   before a close, the close itself) is closed, never handed to the next request;
 - response bodies are handed over as they arrive, all that has come at a time (`Body.chunks`),
-  or in one piece (`Body.read`) when the caller wants all of it anyway.
+  or in one piece (`Body.read`) when the caller wants all of it anyway; a closed body reads
+  nothing more (httpx.StreamClosed: its connection may carry another response by now);
+- HEAD is refused (NotImplementedError): its answer's head says a length it never carries.
 """
 
 from __future__ import annotations
