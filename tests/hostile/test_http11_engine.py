@@ -45,11 +45,11 @@ async def _serve(handler: Handler) -> tuple[asyncio.Server, str]:
 
 @contextlib.asynccontextmanager
 async def _engine(
-    handler: Handler, connections: int = 1
+    handler: Handler, connections: int = 1, *, limit: float = LIMIT
 ) -> AsyncIterator[tuple[Http11Transport, str]]:
     """A server running `handler` and an engine of `connections` slots to ask it, closed after,
-    all within LIMIT seconds."""
-    with anyio.fail_after(LIMIT):
+    all within `limit` seconds."""
+    with anyio.fail_after(limit):
         server, url = await _serve(handler)
         async with server:
             transport = Http11Transport(connections)
@@ -479,18 +479,14 @@ def test_framing_edge_cases_come_whole_and_keep_the_connection(
                 await writer.drain()
 
     async def main() -> None:
-        with anyio.fail_after(LIMIT * 2):
-            server, url = await _serve(handler)
-            async with server:
-                transport = Http11Transport(1)
-                for i in range(2):
-                    trace = Trace()
-                    response = await transport.handle_async_request(_get(url, trace=trace))
-                    got = b"".join([part async for part in response.stream])
-                    await response.aclose()
-                    assert got == body
-                    assert trace.opened == (i == 0)
-                await transport.aclose()
+        async with _engine(handler, limit=LIMIT * 2) as (transport, url):
+            for i in range(2):
+                trace = Trace()
+                response = await transport.handle_async_request(_get(url, trace=trace))
+                got = b"".join([part async for part in response.stream])
+                await response.aclose()
+                assert got == body
+                assert trace.opened == (i == 0)
 
     anyio.run(main)
 
@@ -616,36 +612,32 @@ def test_cancellations_release_the_slot_once_and_never_pool_the_connection(where
             await writer.drain()
 
     async def main() -> None:
-        with anyio.fail_after(LIMIT * 2):
-            server, url = await _serve(handler)
-            async with server:
-                transport = Http11Transport(1)
-                for _ in range(5):
-                    if where == "slot":  # cancelled waiting for the one slot
-                        async with anyio.create_task_group() as tg:
-                            tg.start_soon(_ask, transport, url)
-                            await asyncio.sleep(0.01)
-                            with anyio.move_on_after(0.05):
-                                await _ask(transport, url)
-                    elif where == "wait_for":
-                        with pytest.raises(TimeoutError):
-                            await asyncio.wait_for(_ask(transport, url), 0.05)
-                    elif where == "head":
+        async with _engine(handler, limit=LIMIT * 2) as (transport, url):
+            for _ in range(5):
+                if where == "slot":  # cancelled waiting for the one slot
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(_ask, transport, url)
+                        await asyncio.sleep(0.01)
                         with anyio.move_on_after(0.05):
                             await _ask(transport, url)
-                    else:
-                        response = await transport.handle_async_request(_get(url))
-                        try:
-                            with anyio.move_on_after(0.05):
-                                await response.aread()
-                        finally:
-                            await response.aclose()
-                    assert _slot_free(transport)
-                    assert transport._slots._value == 1
-                status, _ = await _ask(transport, url)
-                assert status == 200
+                elif where == "wait_for":
+                    with pytest.raises(TimeoutError):
+                        await asyncio.wait_for(_ask(transport, url), 0.05)
+                elif where == "head":
+                    with anyio.move_on_after(0.05):
+                        await _ask(transport, url)
+                else:
+                    response = await transport.handle_async_request(_get(url))
+                    try:
+                        with anyio.move_on_after(0.05):
+                            await response.aread()
+                    finally:
+                        await response.aclose()
+                assert _slot_free(transport)
                 assert transport._slots._value == 1
-                await transport.aclose()
+            status, _ = await _ask(transport, url)
+            assert status == 200
+            assert transport._slots._value == 1
 
     anyio.run(main)
 
