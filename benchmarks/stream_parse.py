@@ -58,11 +58,11 @@ def answer_events(shape: str, tokens: int) -> list[bytes]:
 
 
 def read(reads: list[bytes], frames: bool) -> str:
-    decoder, answer = SSEDecoder(), StreamedAnswer("chat", 0.0, None)
+    answer = StreamedAnswer("chat", 0.0, None)
     if not frames:
         answer.frames_left = 0
     for data in reads:
-        answer.add(decoder.feed(data))
+        answer.feed(data)
     return answer.completion().text
 
 

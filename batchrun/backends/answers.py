@@ -1,12 +1,14 @@
 """Answers read from an OpenAI-compatible server: one JSON body, or a stream of SSE events.
 
-StreamedAnswer is fed the events of one streamed answer as they arrive (sse.py) and keeps only
-what the answer needs: its text pieces, the finish reason, usage, and when content arrived.
+StreamedAnswer is fed the bytes of one streamed answer as they arrive, reads their events
+(sse.py; frames.py reads most of a read's events in one pass) and keeps only what the answer
+needs: its text pieces, the finish reason, usage, and when content arrived.
 """
 
 from __future__ import annotations
 
 import time
+from itertools import repeat
 from typing import Any
 
 import orjson
@@ -14,14 +16,12 @@ import orjson
 from batchrun.backends.base import Completion, Watch
 from batchrun.backends.errors_http import message_of, server_message
 from batchrun.backends.frames import Frame, choice_text, plain_text
-from batchrun.backends.sse import Event
+from batchrun.backends.sse import SEPARATOR, Event, SSEDecoder, events_in
 from batchrun.errors import Overloaded, StreamCut
 
 # Server-side timings some servers put in `usage` (Groq), in seconds.
 SERVER_TIMING = ("queue_time", "prompt_time", "completion_time", "total_time")
-# Events of an answer parsed one by one in reads of many, each a chance to take a frame: the
-# first may differ from the rest (a role); after that the rest of a read goes in one pass, so a
-# server whose events differ each time (a per-event field) costs two tries an answer.
+# Events of an answer parsed alone in reads of many, each a chance to take a frame (see _datas).
 FRAME_TRIES = 2
 # Events in a read from which frames are used. With a frame on every read of one event, an answer
 # that came a read per event took 1.7x as long to read (stream_parse.py); a few events save less
@@ -43,62 +43,97 @@ class StreamedAnswer:
         self.saw_choice = False
         self.frame: Frame | None = None  # the bytes around this answer's plain events' text
         self.frames_left = FRAME_TRIES
+        self._decoder = SSEDecoder()
 
-    def add(self, events: list[Event]) -> None:
-        """The events one network read completed (they arrived together)."""
-        if self.done or not events:
+    def feed(self, chunk: bytes) -> None:
+        """One network read of the stream."""
+        if self.done:
             return  # after [DONE] nothing counts
+        text = self._decoder.take(chunk)
+        if not text:
+            return
         pieces = len(self.pieces)
-        datas = [data for kind, data in events if kind == "message"]
-        done = len(datas) == len(events) and datas[-1] == b"[DONE]"
-        if done:
-            datas.pop()
-        chunks = self._read(datas) if len(datas) + done == len(events) else None
-        if chunks is None:  # not chunks alone, perhaps ended by [DONE]: event by event
-            chunks = [_parse_one(data) for data in self._until_done(events)]
+        if text[:6] == b"data: ":
+            # Split where a blank line is followed by `data: `: each part is the data of an
+            # event of one line, unless it holds a line break.
+            datas = text.split(SEPARATOR)
+            datas[0] = datas[0][6:]
+            self._datas(datas)
         else:
-            self.events += len(events)
-            self.done = done
-        for chunk in chunks:
-            if type(chunk) is tuple:  # the texts of framed events (JSON never parses to one)
-                self.saw_choice = True
-                self.pieces.extend(filter(None, chunk))
-            else:
-                self._chunk(chunk)
-        if len(self.pieces) > pieces:
-            self._arrived(time.perf_counter() - self.started, len(self.pieces) - pieces)
+            self._add(events_in(text))
+        self._arrived(pieces)
 
-    def _read(self, datas: list[bytes]) -> list[Any] | None:
-        """The events' JSON, each parsed on its own (never joined: payloads that are not JSON
-        alone can join into an array of one object each, `{..},{"a":"` and `"}`), and in a read
-        of many, each run of framed events as a tuple of its texts; None if one does not parse.
-        A read of a few (a server writing token by token, the client keeping up) is parsed in
-        one pass: a frame costs more than it saves there."""
-        if len(datas) < FRAMED_READ:
-            return _parse_all(datas)
-        chunks: list[Any] = []
-        at, count = 0, len(datas)
-        while at < count:
-            if self.frame is not None and (end := self.frame.end(datas, at)) > at:
-                texts = self.frame.texts(datas[at:end])
-                if texts is None:
-                    return None  # one of them is not the frame around a text: event by event
-                chunks.append(tuple(texts))
-                at = end
-                continue
-            if not self.frames_left:  # no frame here, and no more tried: the rest in one pass
-                rest = _parse_all(datas[at:])
-                return None if rest is None else chunks + rest
+    def close(self) -> None:
+        """The stream ended: the event it cut short of its blank line counts, if any."""
+        pieces = len(self.pieces)
+        self._add(self._decoder.close())
+        self._arrived(pieces)
+
+    def _datas(self, datas: list[bytes]) -> None:
+        """A read's events, as split in `feed`. In a read of many, the first FRAME_TRIES events
+        of an answer are parsed alone, each a chance to take a frame (a first event may differ
+        from the rest: a role), and a run of events that fit it is read as their texts
+        (frames.py); the rest are parsed in one pass (_add). A server whose events differ each
+        time (a per-event field) costs those tries an answer."""
+        at, count = 0, len(datas) if len(datas) >= FRAMED_READ else 0
+        while at < count and self.frames_left:
+            data = datas[at]
+            if self.frame is not None and self.frame.fits(data):
+                break  # a run of the frame starts here
+            if b"\n" in data:
+                break  # not an event of one data line: parsed in full
             try:
-                chunk = orjson.loads(datas[at])
+                chunk = orjson.loads(data)
             except orjson.JSONDecodeError:
-                return None
-            chunks.append(chunk)
+                break  # [DONE], or a cut stream: said by _add
+            self.frames_left -= 1
+            self.events += 1
+            self._chunk(chunk)
+            # A frame from a text, not from a role's empty one: no later event would fit it.
+            if piece := plain_text(chunk, self.endpoint):
+                self.frame = Frame.of(data, piece, self.endpoint) or self.frame
             at += 1
-            self.frames_left -= 1  # a first event may differ from the rest (a role)
-            if (text := plain_text(chunk, self.endpoint)) is not None:
-                self.frame = Frame.of(datas[at - 1], text, self.endpoint) or self.frame
-        return chunks
+        if at < count and self.frame is not None:
+            end, texts = self.frame.run(datas, at)
+            if texts:
+                self.events += end - at
+                self.saw_choice = True
+                self.pieces.extend(filter(None, texts))
+                at = end
+        rest = datas[at:] if at else datas
+        if any(map(bytes.__contains__, rest, repeat(b"\n"))):
+            self._add(events_in(b"data: " + SEPARATOR.join(rest)))  # the read's text from `at`
+        else:
+            self._messages(rest)
+
+    def _add(self, events: list[Event]) -> None:
+        """Events of any kind, in order."""
+        datas = [data for kind, data in events if kind == "message"]
+        if len(datas) == len(events):
+            self._messages(datas)
+        elif not self.done:
+            self._each(events)
+
+    def _messages(self, datas: list[bytes]) -> None:
+        """The data of message events (SSE's kind unless named), parsed in one pass unless one
+        before the last is `[DONE]` or one is not JSON."""
+        if self.done or not datas:
+            return
+        done = datas[-1] == b"[DONE]"
+        chunks = _parse_all(datas[:-1] if done else datas)
+        if chunks is None:
+            self._each([("message", data) for data in datas])
+            return
+        self.events += len(datas)
+        self.done = done
+        for chunk in chunks:
+            self._chunk(chunk)
+
+    def _each(self, events: list[Event]) -> None:
+        """Events read one by one, up to `[DONE]`: the first that is not JSON, or an error,
+        ends the answer with its error."""
+        for chunk in [_parse_one(data) for data in self._until_done(events)]:
+            self._chunk(chunk)
 
     def _until_done(self, events: list[Event]) -> list[bytes]:
         """The events' data up to `[DONE]` (what follows it does not count)."""
@@ -137,10 +172,14 @@ class StreamedAnswer:
             if choice.get("finish_reason"):
                 self.finish = choice["finish_reason"]
 
-    def _arrived(self, at: float, pieces: int) -> None:
-        """`pieces` content pieces came at `at` (one network read: they share its time)."""
+    def _arrived(self, pieces: int) -> None:
+        """The content pieces after the first `pieces` came now (those of one network read
+        share its time)."""
+        if len(self.pieces) == pieces:
+            return
+        at = time.perf_counter() - self.started
         first = not self.times
-        self.times.extend([at] * pieces)
+        self.times.extend([at] * (len(self.pieces) - pieces))
         if first and self.watch is not None:
             self.watch.first_token(at)
 

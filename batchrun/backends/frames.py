@@ -4,16 +4,18 @@ A server writes every token's event of an answer the same way: the same id, mode
 around a different piece of text. Once one such event has been parsed, the bytes before and
 after its text are the answer's frame. A run of later events that are the frame around some
 text is read as those texts alone, decoded in one C call as a JSON array of strings: no
-object is built per token, and no Python runs per event beyond a prefix and suffix check and
-a slice.
+object is built per token, and no Python runs per event: the run is checked in one pass.
 
 Exact, not a guess:
 
 - a frame is taken only from a plain event (one choice, a string text, no finish reason, usage
-  or error: its text is all it adds to an answer), and only if two different texts put in its
-  text's place are each read back as the event's text: the span between head and tail is then
-  the whole inside of the string the text is read from, and nothing else depends on it;
-- a run is decoded only if its insides, joined, parse as an array of as many strings (strings
+  or error: its text is all it adds to an answer), and only if a text that the event holds
+  nowhere else, put in its text's place, is read back as the event's text. JSON can write
+  that character (U+0001) only as the escape `\u0001`, so the string read is the one around
+  the span, and is nothing but it: the span between head and tail is the whole inside of the
+  string the text is read from, and nothing else depends on it;
+- a run is decoded only if its events, put back together from the frame and their insides,
+  are the same bytes, and its insides, joined, parse as an array of as many strings (strings
   alone) and none ends in a lone backslash: then each is by itself the inside of a JSON
   string, each event of the run parses to the frame's event with its own text, and the
   array's strings are those texts.
@@ -24,23 +26,30 @@ event as before: slower, never different.
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Any
 
 import orjson
 
-# Two texts put in the frame in turn: read back from it both times, the frame's span is what
-# the text is read from (one could be read back by chance: a duplicate key already holding it).
+from batchrun.backends.sse import SEPARATOR
+
+# Texts put in the frame, the first that the event does not hold already (one it holds could be
+# read back by chance: a duplicate key holding it).
 MARKERS = ((b"\\u0001", "\x01"), (b"\\u0002", "\x02"))
 
 
 class Frame:
     """The bytes around the text of one stream's plain events."""
 
-    __slots__ = ("head", "tail")
+    __slots__ = ("_inside", "head", "least", "seam", "tail")
 
     def __init__(self, head: bytes, tail: bytes) -> None:
         self.head = head  # up to and including the quote that opens the text
         self.tail = tail  # from the quote that closes it
+        self.seam = tail + SEPARATOR + head  # between the texts of two events of the frame
+        self.least = len(head) + len(tail)  # an event's length with an empty text
+        # What lies between the two ends, in an event that fits: a slice taken in C.
+        self._inside = itemgetter(slice(len(head), -len(tail)))
 
     @classmethod
     def of(cls, data: bytes, text: str, endpoint: str) -> Frame | None:
@@ -50,32 +59,46 @@ class Frame:
         at = data.rfind(written)
         if at < 0:
             return None
-        head, tail = data[: at + 1], data[at + len(written) - 1 :]
-        for marker, marked in MARKERS:
-            try:
-                probe = orjson.loads(head + marker + tail)
-            except orjson.JSONDecodeError:
-                return None
-            if plain_text(probe, endpoint) != marked:
-                return None
+        unheld = [marker for marker in MARKERS if marker[0] not in data]
+        if not unheld:
+            return None
+        (marker, char), head = unheld[0], data[: at + 1]
+        tail = data[at + len(written) - 1 :]
+        try:
+            probe = orjson.loads(head + marker + tail)
+        except orjson.JSONDecodeError:
+            return None
+        if plain_text(probe, endpoint) != char:
+            return None
         # The text read follows what the span holds: the span is the whole inside of the
         # string the text is read from, and nothing else in the event changes with it.
         return cls(head, tail)
 
-    def end(self, datas: list[bytes], start: int) -> int:
-        """Where the run of events that start and end as the frame does, from `start`, ends."""
-        head, tail = self.head, self.tail
-        end, count = start, len(datas)
-        while end < count and datas[end].startswith(head) and datas[end].endswith(tail):
-            end += 1
-        return end
+    def run(self, datas: list[bytes], start: int) -> tuple[int, list[str] | None]:
+        """Where the run of events that fit the frame, from `start`, ends, and their texts
+        (None if the checks refuse one). `datas`: the data of a read's events, in order.
 
-    def texts(self, run: list[bytes]) -> list[str] | None:
-        """The texts of events that fit the frame; None if the checks refuse one."""
-        head, cut = len(self.head), -len(self.tail)
-        if min(map(len, run)) < head - cut:
-            return None  # the frame's two ends overlap in one: not a text between them
-        return _strings([data[head:cut] for data in run])
+        A run usually ends a few events before the read does (a finish reason, usage,
+        `[DONE]`): those are passed over from the end, and the rest checked in one pass: put
+        back together from their insides and the frame, they must be the same bytes. Where an
+        event between them does not fit, the run is found event by event."""
+        end, tail = len(datas), self.tail
+        if start == end or not self.fits(datas[start]):
+            return start, []
+        while not datas[end - 1].endswith(tail):  # stops at `start` at the latest
+            end -= 1
+        run = datas[start:end]
+        insides = list(map(self._inside, run))
+        if self.head + self.seam.join(insides) + self.tail != SEPARATOR.join(run):
+            end = start + 1
+            while end < len(datas) and self.fits(datas[end]):
+                end += 1
+            insides = list(map(self._inside, datas[start:end]))
+        return end, _strings(insides)
+
+    def fits(self, data: bytes) -> bool:
+        """Whether an event starts and ends as the frame's do, with room for a text between."""
+        return data.startswith(self.head) and data.endswith(self.tail) and len(data) >= self.least
 
 
 def _strings(insides: list[bytes]) -> list[str] | None:
@@ -85,7 +108,7 @@ def _strings(insides: list[bytes]) -> list[str] | None:
     closes), once none ends in a lone backslash (it would escape the quote that closes it,
     and a bare quote in the next could then pair with it)."""
     array = b'["' + b'","'.join(insides) + b'"]'
-    if b"\\" in array:
+    if b'\\","' in array or array.endswith(b'\\"]'):  # an inside ends in a backslash
         # Escaped backslashes out, a backslash left escapes what follows it: none may escape
         # the end of an inside (a NUL between insides here: valid insides hold none).
         ends = (b"\0".join(insides) + b"\0").replace(b"\\\\", b"")

@@ -21,7 +21,6 @@ from batchrun.backends.answers import StreamedAnswer, read_json
 from batchrun.backends.base import Completion, CompletionRequest, Watch, auth_headers
 from batchrun.backends.errors_http import error_for_status, rate_info
 from batchrun.backends.http11 import Body, Http11Transport
-from batchrun.backends.sse import SSEDecoder
 from batchrun.errors import (
     BadRequest,
     ConnectionFailed,
@@ -267,10 +266,9 @@ class OpenAICompatBackend:
 
     async def _read_stream(self, resp: httpx.Response, out: _Outgoing) -> Completion:
         answer = StreamedAnswer(out.endpoint, out.started, out.watch)
-        decoder = SSEDecoder()
         body = _body(resp)
         async for data in body:
-            answer.add(decoder.feed(data))
+            answer.feed(data)
             if answer.done:
                 completion = answer.completion()  # whole (or not) now: its latency ends here
                 if isinstance(resp.stream, Body) and resp.stream.ended():
@@ -279,7 +277,7 @@ class OpenAICompatBackend:
                     left = anyio.current_effective_deadline() - anyio.current_time()
                     await _body_end(body, min(DONE_GRACE_S, left / 2))
                 return completion
-        answer.add(decoder.close())
+        answer.close()
         if not answer.events:
             raise EmptyStream("the event stream closed without a single event")
         return answer.completion()

@@ -38,11 +38,18 @@ class SSEDecoder:
         self._started = False
 
     def feed(self, chunk: bytes) -> list[Event]:
+        """The events this read completed."""
+        return events_in(self.take(chunk))
+
+    def take(self, chunk: bytes) -> bytes:
+        """The text of the events this read completed, b"" if none: line ends as LF, without
+        the blank line that ends the last one (what follows it is held for the next read).
+        One slice of the bytes read, so a caller may read many events in one pass (frames.py)."""
         if not self._started:
             chunk, self._head = self._head + chunk, b""
             if BOM.startswith(chunk):  # all of it may yet be a byte-order mark
                 self._head = chunk
-                return []
+                return b""
             self._started = True
             chunk = chunk.removeprefix(BOM)
         if self._crlf or b"\r" in chunk:
@@ -58,29 +65,13 @@ class SSEDecoder:
             if not ends:
                 if chunk:
                     parts.append(chunk)
-                return []  # still no end to it
+                return b""  # still no end to it
             chunk = b"".join([*parts, chunk])
             parts.clear()
         whole, end, rest = chunk.rpartition(b"\n\n")
         if rest:
             parts.append(rest)
-        if not end:
-            return []
-        if whole[:6] == b"data: ":
-            if b"\n" not in whole:  # one event of one data line: a server sending by token
-                return [("message", whole[6:])]
-            datas = whole[6:].split(SEPARATOR)
-            if whole.count(b"\n") == 2 * (len(datas) - 1):
-                # Every line break is in a blank line followed by `data: `: every event is
-                # one data line, split in one call.
-                return [("message", data) for data in datas]
-        events: list[Event] = []
-        for block in whole.split(b"\n\n"):
-            if block[:6] == b"data: " and b"\n" not in block:
-                events.append(("message", block[6:]))  # the common case: one data line
-            elif (event := _event(block)) is not None:
-                events.append(event)
-        return events
+        return whole if end else b""
 
     def close(self) -> list[Event]:
         """The stream ended: the event it cut short of its blank line, if any."""
@@ -88,6 +79,25 @@ class SSEDecoder:
         self._parts, self._cr, self._head = [], b"", b""  # a part of a byte-order mark: nothing
         blocks = rest.split(b"\n\n")
         return [event for block in blocks if (event := _event(block.strip(b"\n"))) is not None]
+
+
+def events_in(text: bytes) -> list[Event]:
+    """The events in `text` (what SSEDecoder.take returned)."""
+    if text[:6] == b"data: ":
+        if b"\n" not in text:  # one event of one data line: a server sending by token
+            return [("message", text[6:])]
+        datas = text[6:].split(SEPARATOR)
+        if text.count(b"\n") == 2 * (len(datas) - 1):
+            # Every line break is in a blank line followed by `data: `: every event is one
+            # data line, split in one call.
+            return [("message", data) for data in datas]
+    found: list[Event] = []
+    for block in text.split(b"\n\n"):
+        if block[:6] == b"data: " and b"\n" not in block:
+            found.append(("message", block[6:]))  # the common case: one data line
+        elif (event := _event(block)) is not None:
+            found.append(event)
+    return found
 
 
 def _lf(data: bytes) -> bytes:

@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 
 from batchrun.backends.answers import StreamedAnswer
-from batchrun.backends.sse import SSEDecoder
 from tests.integration.helpers import CLI, write_prompts
 from tests.integration.llama_server import SLOTS, NativeLlamaServer, require_llama_server
 
@@ -223,7 +222,8 @@ def _read(raw: bytes, endpoint: str, *, frames: bool) -> tuple[object, ...]:
     answer = StreamedAnswer(endpoint, 0.0, None)
     if not frames:
         answer.frames_left = 0
-    answer.add(SSEDecoder().feed(raw))
+    answer.feed(raw)
+    answer.close()
     done = answer.completion()
     framed = answer.frame is not None
     return (done.text, done.finish_reason, len(answer.times), done.completion_tokens, framed)

@@ -8,7 +8,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchrun.backends.answers import StreamedAnswer
-from batchrun.backends.sse import SSEDecoder
 from batchrun.errors import StreamCut
 
 
@@ -19,10 +18,10 @@ def chunk(content: str | None = None, finish: str | None = None, **extra: object
 
 
 def answer(*reads: bytes) -> StreamedAnswer:
-    streamed, decoder = StreamedAnswer("chat", 0.0, None), SSEDecoder()
+    streamed = StreamedAnswer("chat", 0.0, None)
     for read in reads:
-        streamed.add(decoder.feed(read))
-    streamed.add(decoder.close())
+        streamed.feed(read)
+    streamed.close()
     return streamed
 
 

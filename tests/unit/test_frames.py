@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from batchrun.backends.answers import FRAME_TRIES, StreamedAnswer
 from batchrun.backends.frames import Frame, plain_text
-from batchrun.backends.sse import SSEDecoder
 from batchrun.errors import StreamCut
 
 HEAD = b'{"id":"c1","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"'
@@ -28,13 +27,13 @@ HOSTILE += [b"\\x", b"\xff", b'"}', *PIECES]
 def read(reads: list[bytes], *, frames: bool, endpoint: str = "chat") -> tuple[object, ...]:
     """What an answer read from these network reads comes to: its text, pieces and events,
     or the error it raised."""
-    streamed, decoder = StreamedAnswer(endpoint, 0.0, None), SSEDecoder()
+    streamed = StreamedAnswer(endpoint, 0.0, None)
     if not frames:
         streamed.frames_left = 0
     try:
         for data in reads:
-            streamed.add(decoder.feed(data))
-        streamed.add(decoder.close())
+            streamed.feed(data)
+        streamed.close()
         done = streamed.completion()
     except StreamCut as exc:
         return ("cut", str(exc))
@@ -139,7 +138,7 @@ def test_no_frame_where_the_text_is_written_otherwise_or_is_not_plain() -> None:
 def test_a_field_that_changes_per_event_costs_a_few_tries_then_none() -> None:
     datas = [HEAD + b"w" + TAIL.replace(b"}]}", b'}],"n":%d}' % i) for i in range(20)]
     streamed = StreamedAnswer("chat", 0.0, None)
-    streamed.add(SSEDecoder().feed(body(*datas)))
+    streamed.feed(body(*datas))
     assert streamed.frames_left == 0 and streamed.pieces == ["w"] * 20
     assert same_either_way([body(*datas, FINISH)])[0] == "w" * 20
 
@@ -147,12 +146,10 @@ def test_a_field_that_changes_per_event_costs_a_few_tries_then_none() -> None:
 def test_a_read_of_a_few_events_makes_no_frame() -> None:
     streamed = StreamedAnswer("chat", 0.0, None)
     for word in (b"a", b"b", b"c", b"d"):
-        streamed.add(SSEDecoder().feed(body(HEAD + word + TAIL)))
+        streamed.feed(body(HEAD + word + TAIL))
     assert streamed.frame is None and streamed.frames_left == FRAME_TRIES
-    streamed.add(SSEDecoder().feed(body(*(HEAD + word + TAIL for word in (b"e", b"f", b"g")))))
-    streamed.add(
-        SSEDecoder().feed(body(*(HEAD + word + TAIL for word in (b"h", b"i", b"j", b"k"))))
-    )
+    streamed.feed(body(*(HEAD + word + TAIL for word in (b"e", b"f", b"g"))))
+    streamed.feed(body(*(HEAD + word + TAIL for word in (b"h", b"i", b"j", b"k"))))
     assert streamed.frame is not None and "".join(streamed.pieces) == "abcdefghijk"
 
 
@@ -169,7 +166,7 @@ def test_completions_texts_framed_at_any_grouping(per_read: int) -> None:
 def test_framed_events_skip_no_piece_and_keep_their_order() -> None:
     datas = [ROLE, *(HEAD + w + TAIL for w in (b"1", b"", b"2")), FINISH, HEAD + b"3" + TAIL]
     streamed = StreamedAnswer("chat", 0.0, None)
-    streamed.add(SSEDecoder().feed(body(*datas)))
+    streamed.feed(body(*datas))
     assert streamed.pieces == ["1", "2", "3"] and streamed.frame is not None
     assert streamed.completion().text == "123"
 
@@ -187,8 +184,7 @@ def test_json_written_by_a_model_is_read_framed() -> None:
     words = ["{", '"', "name", '":', ' "', "a\\b", '",', ' "n', '":', " 3", "}", "\\"]
     datas = [HEAD + orjson.dumps(word)[1:-1] + TAIL for word in words]
     frame = Frame.of(datas[0], "{", "chat")
-    assert frame is not None and frame.end(datas, 0) == len(datas)
-    assert frame.texts(datas) == words
+    assert frame is not None and frame.run([*datas, FINISH], 0) == (len(datas), words)
     assert same_either_way([body(*datas, FINISH)])[0] == "".join(words)
 
 
@@ -231,3 +227,34 @@ def test_no_frame_at_a_duplicate_key_that_hides_the_marker(
     finish = b'{"choices":[{"text":"","delta":{},"finish_reason":"stop"}]}'
     datas = [first, *(later % key for key in (b"hi", b"yo", b"zz")), finish]
     assert same_either_way([body(*datas)], endpoint)[0] == text + "\x01" * 3
+
+
+def test_an_event_that_holds_both_markers_makes_no_frame() -> None:
+    # A marker it holds already could be read back from there, not from the span.
+    first = b'{"choices":[{"delta":{"content":"\\u0001","x":"\\u0002","content":"hi"}}]}'
+    assert Frame.of(first, "hi", "chat") is None
+    later = [first.replace(b"hi", word) for word in (b"yo", b"zz", b"\\u0001")]
+    assert same_either_way([body(first, *later, FINISH)])[0] == "hiyozz\x01"
+
+
+@pytest.mark.parametrize(
+    ("odd", "text"),
+    [
+        (b": keep-alive\n\n", "abcdxy"),
+        (b"id: 7\ndata: " + HEAD + b"e" + TAIL + b"\n\n", "abcedxy"),
+        (b"event: message\ndata: " + HEAD + b"e" + TAIL + b"\n\n", "abcedxy"),
+        (b"data: " + HEAD + b"e" + TAIL + b"\nretry: 5\n\n", "abcedxy"),
+        (b"data: " + HEAD + b"e\ndata: f" + TAIL + b"\n\n", "cut"),  # a line break in a text
+        (b"\n\n", "abcdxy"),
+    ],
+    ids=["comment", "id-first", "event-named", "retry-after", "two-data-lines", "blank-lines"],
+)
+@pytest.mark.parametrize("line_end", [b"\n", b"\r\n"], ids=["lf", "crlf"])
+def test_other_sse_lines_among_framed_events_read_the_same(
+    odd: bytes, text: str, line_end: bytes
+) -> None:
+    # A read is split where a blank line is followed by `data: `: an event that is more than
+    # one data line must not be read as the frame around a text.
+    words = [HEAD + word + TAIL for word in (b"a", b"b", b"c", b"d", b"x", b"y")]
+    whole = body(*words[:3]) + odd + body(*words[3:], FINISH, b"[DONE]")
+    assert same_either_way([whole.replace(b"\n", line_end)])[0] == text
