@@ -59,13 +59,15 @@ class Frame:
         at = data.rfind(written)
         if at < 0:
             return None
-        unheld = [marker for marker in MARKERS if marker[0] not in data]
-        if not unheld:
-            return None
-        (marker, char), head = unheld[0], data[: at + 1]
-        tail = data[at + len(written) - 1 :]
+        for marker in MARKERS:
+            if marker[0] not in data:
+                break
+        else:
+            return None  # it holds both already
+        escaped, char = marker
+        head, tail = data[: at + 1], data[at + len(written) - 1 :]
         try:
-            probe = orjson.loads(head + marker + tail)
+            probe = orjson.loads(head + escaped + tail)
         except orjson.JSONDecodeError:
             return None
         if plain_text(probe, endpoint) != char:

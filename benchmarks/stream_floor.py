@@ -1,0 +1,114 @@
+"""How far can reading a streamed answer go in Python? batchrun's reader against two floors.
+
+Runs batchrun's backend (OpenAICompatBackend.complete on its own engine, as engines.py does)
+against the zero-latency server (fast_server.py, another process, a whole answer in one
+write), 32 in flight, and prints the client's CPU per request, not streamed and streamed, with
+the streamed answer read four ways (the last two are models, not readers: they check nothing,
+and are here only to bound what any exact reader can save):
+
+- batchrun: the answer as batchrun reads it (backends/answers.py, frames.py);
+- every event parsed: each event's JSON parsed on its own (frames off);
+- texts, unchecked: the read split into events, the first and last events parsed, and the
+  texts of the rest decoded in one call from a frame taken once for the whole run, with none
+  of frames.py's checks (a frame a probe, the run put back together, the strings' count);
+- not read: the answer taken as whole at its first read, nothing decoded: what streaming
+  costs the engine and the backend around the reading.
+
+The gap between batchrun and "texts, unchecked" is what exactness costs; the gap between that
+and "not read" is what any reader must spend at least (splitting, decoding, the objects made).
+
+    python benchmarks/stream_floor.py [--requests 3000] [--repeat 5] [--tokens 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+from collections.abc import Callable
+
+import orjson
+from client_cost import bodies, start_server
+from engines import on_backend, us_per_request
+
+from batchrun.backends.answers import StreamedAnswer
+from batchrun.backends.frames import Frame, plain_text
+from batchrun.backends.sse import SEPARATOR
+
+Feed = Callable[[StreamedAnswer, bytes], None]
+FRAMES: list[Frame] = []  # the one frame "texts, unchecked" takes, from the first answer
+
+
+def every_event(answer: StreamedAnswer, chunk: bytes) -> None:
+    answer.frames_left = 0
+    BATCHRUN(answer, chunk)
+
+
+def texts_unchecked(answer: StreamedAnswer, chunk: bytes) -> None:
+    datas = answer._decoder.take(chunk).split(SEPARATOR)
+    datas[0] = datas[0][6:]
+    first = orjson.loads(datas[0])
+    answer._chunk(first)
+    if not FRAMES:
+        frame = Frame.of(datas[0], plain_text(first, "chat") or "", "chat")
+        assert frame is not None, "the server's events make no frame"
+        FRAMES.append(frame)
+    end, frame = len(datas) - 3, FRAMES[0]  # the last: finish reason, usage, [DONE]
+    insides = [data[len(frame.head) : -len(frame.tail)] for data in datas[1:end]]
+    answer.pieces.extend(orjson.loads(b'["' + b'","'.join(insides) + b'"]'))
+    for data in datas[end:-1]:
+        answer._chunk(orjson.loads(data))
+    answer.events, answer.done, answer.saw_choice = len(datas), True, True
+    answer._arrived(0)
+
+
+def not_read(answer: StreamedAnswer, chunk: bytes) -> None:
+    answer.pieces, answer.finish, answer.saw_choice = ["x"], "stop", True
+    answer.events, answer.done = 1, True
+
+
+BATCHRUN = StreamedAnswer.feed
+READERS: dict[str, Feed] = {
+    "batchrun": BATCHRUN,
+    "every event parsed": every_event,
+    "texts, unchecked": texts_unchecked,
+    "not read": not_read,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=30)
+    args = parser.parse_args()
+    gc.freeze()  # the collector as the `batchrun` command sets it (batchrun/__main__.py)
+    gc.set_threshold(10_000)
+    server, base = start_server(args.tokens)
+    url, loop = base + "/chat/completions", on_backend(lambda _: None)
+    times: dict[str, list[float]] = {}
+    try:
+        for _ in range(args.repeat):  # alternated, so the machine's drift falls on all
+            plain = us_per_request(loop, url, bodies(args.requests, False), False)
+            times.setdefault("not streamed", []).append(plain)
+            for name, feed in READERS.items():
+                StreamedAnswer.feed = feed  # type: ignore[method-assign]
+                streamed = us_per_request(loop, url, bodies(args.requests, True), True)
+                times.setdefault(name, []).append(streamed)
+    finally:
+        StreamedAnswer.feed = BATCHRUN  # type: ignore[method-assign]
+        server.terminate()
+        server.wait()
+    print(
+        f"{args.requests} chat requests of {args.tokens} tokens, 32 in flight, one write an"
+        f" answer; client CPU us a request, median of {args.repeat}"
+    )
+    base_us = statistics.median(times["not streamed"])
+    print(f"{'read as':20} {'us/req':>7} {'streaming adds':>15} {'not/streamed':>13}")
+    for name, runs in times.items():
+        us = statistics.median(runs)
+        print(f"{name:20} {us:7.1f} {us - base_us:15.1f} {base_us / us:13.2f}")
+
+
+if __name__ == "__main__":
+    main()
