@@ -53,21 +53,25 @@ class StreamedAnswer:
         if not text:
             return
         pieces = len(self.pieces)
-        if text[:6] == b"data: ":
+        if text[:6] != b"data: ":
+            self._add(events_in(text))
+        elif b"\n" not in text:  # one event of one data line: a server writing token by token
+            self._messages([text[6:]])
+        else:
             # Split where a blank line is followed by `data: `: each part is the data of an
             # event of one line, unless it holds a line break.
             datas = text.split(SEPARATOR)
             datas[0] = datas[0][6:]
             self._datas(datas)
-        else:
-            self._add(events_in(text))
-        self._arrived(pieces)
+        if len(self.pieces) > pieces:  # the events of one read arrived together
+            self._arrived(len(self.pieces) - pieces)
 
     def close(self) -> None:
         """The stream ended: the event it cut short of its blank line counts, if any."""
         pieces = len(self.pieces)
         self._add(self._decoder.close())
-        self._arrived(pieces)
+        if len(self.pieces) > pieces:
+            self._arrived(len(self.pieces) - pieces)
 
     def _datas(self, datas: list[bytes]) -> None:
         """A read's events, as split in `feed`. In a read of many, the first FRAME_TRIES events
@@ -173,13 +177,10 @@ class StreamedAnswer:
                 self.finish = choice["finish_reason"]
 
     def _arrived(self, pieces: int) -> None:
-        """The content pieces after the first `pieces` came now (those of one network read
-        share its time)."""
-        if len(self.pieces) == pieces:
-            return
+        """`pieces` content pieces came now (one network read's: they share its time)."""
         at = time.perf_counter() - self.started
         first = not self.times
-        self.times.extend([at] * (len(self.pieces) - pieces))
+        self.times.extend([at] * pieces)
         if first and self.watch is not None:
             self.watch.first_token(at)
 
