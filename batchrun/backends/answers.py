@@ -62,7 +62,8 @@ class StreamedAnswer:
             # event of one line, unless it holds a line break.
             datas = text.split(SEPARATOR)
             datas[0] = datas[0][6:]
-            self._datas(datas)
+            if not self._framed(datas):
+                self._add(events_in(text))
         if len(self.pieces) > pieces:  # the events of one read arrived together
             self._arrived(len(self.pieces) - pieces)
 
@@ -73,42 +74,54 @@ class StreamedAnswer:
         if len(self.pieces) > pieces:
             self._arrived(len(self.pieces) - pieces)
 
-    def _datas(self, datas: list[bytes]) -> None:
-        """A read's events, as split in `feed`. In a read of many, the first FRAME_TRIES events
-        of an answer are parsed alone, each a chance to take a frame (a first event may differ
-        from the rest: a role), and a run of events that fit it is read as their texts
-        (frames.py); the rest are parsed in one pass (_add). A server whose events differ each
-        time (a per-event field) costs those tries an answer."""
-        at, count = 0, len(datas) if len(datas) >= FRAMED_READ else 0
-        while at < count and self.frames_left:
+    def _framed(self, datas: list[bytes]) -> bool:
+        """A read of many events, each of one data line (as `feed` split it), read with frames:
+        the first FRAME_TRIES events of an answer are parsed alone, each a chance to take a
+        frame (a first event may differ from the rest: a role), a run of events that fit it is
+        read as their texts (frames.py), and the rest are parsed in one pass. A server whose
+        events differ each time (a per-event field) costs those tries an answer.
+
+        Nothing counts until all of the read is read. Where any of it is something else (an
+        event of more lines, one that is not JSON, `[DONE]` before the end, a run the checks
+        refuse), it returns False with nothing taken, and the read is read event by event: the
+        same answer, or the same error, as without frames."""
+        if len(datas) < FRAMED_READ:
+            return False
+        at, parsed = 0, []
+        while at < len(datas) and self.frames_left:
             data = datas[at]
             if self.frame is not None and self.frame.fits(data):
                 break  # a run of the frame starts here
             if b"\n" in data:
-                break  # not an event of one data line: parsed in full
+                return False
             try:
                 chunk = orjson.loads(data)
             except orjson.JSONDecodeError:
-                break  # [DONE], or a cut stream: said by _add
+                return False
             self.frames_left -= 1
-            self.events += 1
-            self._chunk(chunk)
+            parsed.append(chunk)
             # A frame from a text, not from a role's empty one: no later event would fit it.
             if piece := plain_text(chunk, self.endpoint):
                 self.frame = Frame.of(data, piece, self.endpoint) or self.frame
             at += 1
-        if at < count and self.frame is not None:
-            end, texts = self.frame.run(datas, at)
-            if texts:
-                self.events += end - at
-                self.saw_choice = True
-                self.pieces.extend(filter(None, texts))
-                at = end
-        rest = datas[at:] if at else datas
-        if any(map(bytes.__contains__, rest, repeat(b"\n"))):
-            self._add(events_in(b"data: " + SEPARATOR.join(rest)))  # the read's text from `at`
-        else:
-            self._messages(rest)
+        texts: list[str] | None = []
+        if self.frame is not None:
+            at, texts = self.frame.run(datas, at)
+        rest = datas[at:]
+        done = bool(rest) and rest[-1] == b"[DONE]"
+        later = _parse_all(rest[:-1] if done else rest)
+        if texts is None or later is None or any(map(bytes.__contains__, rest, repeat(b"\n"))):
+            return False
+        self.events += len(datas)
+        self.done = done
+        for chunk in parsed:
+            self._chunk(chunk)
+        if texts:
+            self.saw_choice = True
+            self.pieces.extend(filter(None, texts))
+        for chunk in later:
+            self._chunk(chunk)
+        return True
 
     def _add(self, events: list[Event]) -> None:
         """Events of any kind, in order."""
@@ -134,23 +147,17 @@ class StreamedAnswer:
             self._chunk(chunk)
 
     def _each(self, events: list[Event]) -> None:
-        """Events read one by one, up to `[DONE]`: the first that is not JSON, or an error,
-        ends the answer with its error."""
-        for chunk in [_parse_one(data) for data in self._until_done(events)]:
-            self._chunk(chunk)
-
-    def _until_done(self, events: list[Event]) -> list[bytes]:
-        """The events' data up to `[DONE]` (what follows it does not count)."""
-        datas: list[bytes] = []
+        """Events read one at a time, in order, up to `[DONE]` (what follows it does not
+        count): the first that goes wrong (an error event, one that is not JSON, a chunk that
+        says so) ends the answer with its error, however the reads grouped them."""
         for kind, data in events:
             self.events += 1
             if data.strip() == b"[DONE]":
                 self.done = True
-                break
+                return
             if kind == "error":
                 raise Overloaded(f"server error mid-stream: {server_message(data)[:300]}")
-            datas.append(data)
-        return datas
+            self._chunk(_parse_one(data))
 
     def _chunk(self, chunk: Any) -> None:
         if not isinstance(chunk, dict):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httptools
@@ -363,16 +363,20 @@ class Body(httpx.AsyncByteStream):
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self.chunks()
 
-    async def chunks(self) -> AsyncGenerator[bytes, None]:
+    def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives: all that came since the last read, at a time."""
+        return _Chunks(self)
+
+    async def next_chunk(self) -> bytes | None:
+        """All that came since the last read (waiting for some), or None at the body's end."""
         connection = self._connection
         while True:
             self._check_open()
             await connection.wait(self._read_s, body=True)
             if connection.parts:
-                yield connection.take()
-            elif connection.complete:
-                return
+                return connection.take()
+            if connection.complete:
+                return None
 
     def _check_open(self) -> None:
         """A closed body's connection may be carrying another response by now."""
@@ -384,3 +388,22 @@ class Body(httpx.AsyncByteStream):
         if self._open:
             self._open = False
             self._transport._done(self._connection)
+
+
+class _Chunks:
+    """Body.chunks: an iterator object, not an async generator, which the event loop would
+    track from its first step and the reader close at the end of every streamed answer."""
+
+    __slots__ = ("_body",)
+
+    def __init__(self, body: Body) -> None:
+        self._body = body
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await self._body.next_chunk()
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk

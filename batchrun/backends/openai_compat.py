@@ -271,9 +271,7 @@ class OpenAICompatBackend:
             answer.feed(data)
             if answer.done:
                 completion = answer.completion()  # whole (or not) now: its latency ends here
-                if isinstance(resp.stream, Body) and resp.stream.ended():
-                    await body.aclose()  # nothing left to wait for; not left to the loop
-                else:
+                if not (isinstance(resp.stream, Body) and resp.stream.ended()):
                     left = anyio.current_effective_deadline() - anyio.current_time()
                     await _body_end(body, min(DONE_GRACE_S, left / 2))
                 return completion
@@ -357,10 +355,10 @@ class _ConnectionTrace:
         return self.sent and not self.opened
 
 
-def _body(resp: httpx.Response) -> AsyncGenerator[bytes, None]:
+def _body(resp: httpx.Response) -> AsyncIterator[bytes]:
     """The body as it arrives. We ask for no compression, so it comes as sent: read it as the
-    transport hands it over (the engine's straight from its reads, one generator rather than
-    three a network read), unless a server compressed it all the same."""
+    transport hands it over (the engine's straight from its reads, one iterator rather than
+    three generators a network read), unless a server compressed it all the same."""
     if resp.is_stream_consumed:  # a response made whole (an injected test transport)
         return _once(resp.content)
     if resp.headers.get("content-encoding", "identity") != "identity":
