@@ -62,8 +62,11 @@ class StreamedAnswer:
             # event of one line, unless it holds a line break.
             datas = text.split(SEPARATOR)
             datas[0] = datas[0][6:]
-            if not self._framed(datas):
-                self._add(events_in(text))
+            if not self._framed(datas):  # each event parsed on its own
+                if any(map(bytes.__contains__, datas, repeat(b"\n"))):
+                    self._add(events_in(text))  # an event of more lines than one: in full
+                else:
+                    self._messages(datas)
         if len(self.pieces) > pieces:  # the events of one read arrived together
             self._arrived(len(self.pieces) - pieces)
 
