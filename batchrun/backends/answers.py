@@ -21,7 +21,7 @@ from batchrun.errors import Overloaded, StreamCut
 
 # Server-side timings some servers put in `usage` (Groq), in seconds.
 SERVER_TIMING = ("queue_time", "prompt_time", "completion_time", "total_time")
-# Events of an answer parsed alone in reads of many, each a chance to take a frame (see _datas).
+# Events of an answer parsed alone in reads of many, each a chance to take a frame (_framed).
 FRAME_TRIES = 2
 # Events in a read from which frames are used. With a frame on every read of one event, an answer
 # that came a read per event took 1.7x as long to read (stream_parse.py); a few events save less
