@@ -258,3 +258,27 @@ def test_other_sse_lines_among_framed_events_read_the_same(
     words = [HEAD + word + TAIL for word in (b"a", b"b", b"c", b"d", b"x", b"y")]
     whole = body(*words[:3]) + odd + body(*words[3:], FINISH, b"[DONE]")
     assert same_either_way([whole.replace(b"\n", line_end)])[0] == text
+
+
+@pytest.mark.parametrize(
+    "inside",
+    [b"\n", b"\r", b"\x00", b"\x1f", b"\xff", b"\xc3", b"\\x", b"\\u12", b'"', b"\\ud83d"],
+    ids=[
+        "lf",
+        "cr",
+        "nul",
+        "unit-sep",
+        "not-utf8",
+        "cut-utf8",
+        "bad-escape",
+        "cut-escape",
+        "bare-quote",
+        "lone-surrogate",
+    ],
+)
+def test_orjson_refuses_in_a_string_what_frames_rely_on_it_to_refuse(inside: bytes) -> None:
+    # Frames are exact only while the JSON parser is strict: a line break kept out of a text
+    # keeps the stream's own lines out of it, and the rest would make a text no event holds.
+    with pytest.raises(orjson.JSONDecodeError):
+        orjson.loads(b'["' + inside + b'"]')
+    assert Frame(HEAD, TAIL).run([HEAD + inside + TAIL] * 4, 0)[1] is None
