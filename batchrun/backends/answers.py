@@ -111,12 +111,15 @@ class StreamedAnswer:
         if self.frame is not None:
             at, texts = self.frame.run(datas, at)
         rest = datas[at:]
-        done = bool(rest) and rest[-1] == b"[DONE]"
-        later = _parse_all(rest[:-1] if done else rest)
-        if texts is None or later is None or any(map(bytes.__contains__, rest, repeat(b"\n"))):
+        parsed_rest = _parse_messages(rest)
+        if (
+            texts is None
+            or parsed_rest is None
+            or any(map(bytes.__contains__, rest, repeat(b"\n")))
+        ):
             return False
+        later, self.done = parsed_rest
         self.events += len(datas)
-        self.done = done
         for chunk in parsed:
             self._chunk(chunk)
         if texts:
@@ -139,13 +142,12 @@ class StreamedAnswer:
         before the last is `[DONE]` or one is not JSON."""
         if self.done or not datas:
             return
-        done = datas[-1] == b"[DONE]"
-        chunks = _parse_all(datas[:-1] if done else datas)
-        if chunks is None:
+        parsed = _parse_messages(datas)
+        if parsed is None:
             self._each([("message", data) for data in datas])
             return
+        chunks, self.done = parsed
         self.events += len(datas)
-        self.done = done
         for chunk in chunks:
             self._chunk(chunk)
 
@@ -209,10 +211,12 @@ class StreamedAnswer:
         return completion(text, self.finish, self.usage, self.started, ttft, tuple(self.times))
 
 
-def _parse_all(datas: list[bytes]) -> list[Any] | None:
-    """The events' JSON, each parsed on its own with no Python loop; None if one does not parse."""
+def _parse_messages(datas: list[bytes]) -> tuple[list[Any], bool] | None:
+    """The chunks that message events' data parse to, each on its own with no Python loop, and
+    whether the last is `[DONE]` (not a chunk); None if any other is not JSON."""
+    done = bool(datas) and datas[-1] == b"[DONE]"
     try:
-        return list(map(orjson.loads, datas))
+        return list(map(orjson.loads, datas[:-1] if done else datas)), done
     except orjson.JSONDecodeError:
         return None
 

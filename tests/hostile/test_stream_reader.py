@@ -9,9 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchrun.backends.answers import StreamedAnswer
 from batchrun.backends.frames import Frame, _strings
-from batchrun.errors import Overloaded, StreamCut
+from tests.streams import body, outcome, same_either_way, split
 
 HEAD = b'{"id":"c1","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"'
 TAIL = b'"},"finish_reason":null}]}'
@@ -65,39 +64,6 @@ INSIDES = [
     b":",
 ]
 inside = st.lists(st.sampled_from(INSIDES), max_size=3).map(b"".join)
-
-
-def outcome(reads: list[bytes], *, frames: bool, endpoint: str = "chat") -> tuple[object, ...]:
-    """What an answer read from these reads comes to, or the error it raised (by kind)."""
-    streamed = StreamedAnswer(endpoint, 0.0, None)
-    if not frames:
-        streamed.frames_left = 0
-    try:
-        for data in reads:
-            streamed.feed(data)
-        streamed.close()
-        done = streamed.completion()
-    except StreamCut as exc:
-        return ("cut", str(exc))
-    except Overloaded as exc:
-        return ("overloaded", str(exc))
-    got = (done.text, done.finish_reason, len(streamed.times), streamed.events)
-    return (*got, done.completion_tokens)
-
-
-def same_either_way(reads: list[bytes], endpoint: str = "chat") -> tuple[object, ...]:
-    framed = outcome(reads, frames=True, endpoint=endpoint)
-    assert framed == outcome(reads, frames=False, endpoint=endpoint)
-    return framed
-
-
-def body(*datas: bytes, end: bytes = b"\n") -> bytes:
-    return b"".join(b"data: " + data + end + end for data in datas)
-
-
-def split(whole: bytes, cuts: list[int]) -> list[bytes]:
-    cuts = sorted(cuts)
-    return [whole[a:b] for a, b in zip([0, *cuts], [*cuts, len(whole)], strict=True)]
 
 
 # --- an independent reference: the WHATWG parser, line by line, then the answer's rules ----

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from batchrun.backends.answers import FRAME_TRIES, StreamedAnswer
 from batchrun.backends.frames import Frame, plain_text
-from batchrun.errors import StreamCut
+from tests.streams import body, same_either_way, split
 
 HEAD = b'{"id":"c1","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"'
 TAIL = b'"},"finish_reason":null}]}'
@@ -22,38 +22,6 @@ ROLE = b'{"id":"c1","choices":[{"index":0,"delta":{"role":"assistant","content":
 PIECES = [b"a", b" the", b"\\n", b"\\u00e9", b"\\\\", b'\\"', "\u00e9".encode()]
 HOSTILE = [b'"', b"\\", b",", b'","', b"[", b"]", b"{", b'",["', b'"],"', b"\x01", b"\\u12"]
 HOSTILE += [b"\\x", b"\xff", b'"}', *PIECES]
-
-
-def read(reads: list[bytes], *, frames: bool, endpoint: str = "chat") -> tuple[object, ...]:
-    """What an answer read from these network reads comes to: its text, pieces and events,
-    or the error it raised."""
-    streamed = StreamedAnswer(endpoint, 0.0, None)
-    if not frames:
-        streamed.frames_left = 0
-    try:
-        for data in reads:
-            streamed.feed(data)
-        streamed.close()
-        done = streamed.completion()
-    except StreamCut as exc:
-        return ("cut", str(exc))
-    outcome = (done.text, done.finish_reason, len(streamed.times), streamed.events)
-    return (*outcome, done.completion_tokens)
-
-
-def body(*datas: bytes) -> bytes:
-    return b"".join(b"data: " + data + b"\n\n" for data in datas)
-
-
-def split(whole: bytes, cuts: list[int]) -> list[bytes]:
-    cuts = sorted(cuts)
-    return [whole[a:b] for a, b in zip([0, *cuts], [*cuts, len(whole)], strict=True)]
-
-
-def same_either_way(reads: list[bytes], endpoint: str = "chat") -> tuple[object, ...]:
-    framed = read(reads, frames=True, endpoint=endpoint)
-    assert framed == read(reads, frames=False, endpoint=endpoint)
-    return framed
 
 
 @settings(max_examples=400)
