@@ -15,7 +15,7 @@ import orjson
 
 from batchrun.backends.base import Completion, Watch
 from batchrun.backends.errors_http import message_of, server_message
-from batchrun.backends.frames import Frame, choice_text, plain_text
+from batchrun.backends.frames import Frame, Texts, choice_text, plain_text
 from batchrun.backends.sse import SEPARATOR, Event, SSEDecoder, events_in
 from batchrun.errors import Overloaded, StreamCut
 
@@ -36,7 +36,8 @@ class StreamedAnswer:
         self.watch = watch
         self.events = 0
         self.done = False  # `data: [DONE]` came
-        self.pieces: list[str] = []
+        self.pieces: list[str] = []  # the text, in pieces (a run's texts in one: frames.py)
+        self.texts = 0  # content pieces read: events with a text (bench times each)
         self.times: list[float] = []  # seconds from sending to each content piece's read
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
@@ -52,7 +53,7 @@ class StreamedAnswer:
         text = self._decoder.take(chunk)
         if not text:
             return
-        pieces = len(self.pieces)
+        texts = self.texts
         if text[:6] != b"data: ":
             self._add(events_in(text))
         elif b"\n" not in text:  # one event of one data line: a server writing token by token
@@ -67,15 +68,15 @@ class StreamedAnswer:
                     self._add(events_in(text))  # an event of more lines than one: in full
                 else:
                     self._messages(datas)
-        if len(self.pieces) > pieces:  # the events of one read arrived together
-            self._arrived(len(self.pieces) - pieces)
+        if self.texts > texts:  # the events of one read arrived together
+            self._arrived(self.texts - texts)
 
     def close(self) -> None:
         """The stream ended: the event it cut short of its blank line counts, if any."""
-        pieces = len(self.pieces)
+        texts = self.texts
         self._add(self._decoder.close())
-        if len(self.pieces) > pieces:
-            self._arrived(len(self.pieces) - pieces)
+        if self.texts > texts:
+            self._arrived(self.texts - texts)
 
     def _framed(self, datas: list[bytes]) -> bool:
         """A read of many events, each of one data line (as `feed` split it), read with frames:
@@ -107,7 +108,8 @@ class StreamedAnswer:
             if piece := plain_text(chunk, self.endpoint):
                 self.frame = Frame.of(data, piece, self.endpoint) or self.frame
             at += 1
-        texts: list[str] | None = []
+        texts: Texts | None = ("", 0)
+        start = at
         if self.frame is not None:
             at, texts = self.frame.run(datas, at)
         rest = datas[at:]
@@ -122,9 +124,11 @@ class StreamedAnswer:
         self.events += len(datas)
         for chunk in parsed:
             self._chunk(chunk)
-        if texts:
+        if at > start:  # a run of events, each with a choice
             self.saw_choice = True
-            self.pieces.extend(filter(None, texts))
+            if texts[1]:
+                self.pieces.append(texts[0])
+                self.texts += texts[1]
         for chunk in later:
             self._chunk(chunk)
         return True
@@ -185,6 +189,7 @@ class StreamedAnswer:
             piece = choice_text(choice, self.endpoint, streamed=True)
             if piece:
                 self.pieces.append(piece)
+                self.texts += 1
             if choice.get("finish_reason"):
                 self.finish = choice["finish_reason"]
 

@@ -3,8 +3,9 @@
 A server writes every token's event of an answer the same way: the same id, model and fields
 around a different piece of text. Once one such event has been parsed, the bytes before and
 after its text are the answer's frame. A run of later events that are the frame around some
-text is read as those texts alone, decoded in one C call as a JSON array of strings: no
-object is built per token, and no Python runs per event: the run is checked in one pass.
+text is read as those texts alone, joined, decoded in one C call as one string (or, where a
+text holds a `\\u` escape, as a JSON array of strings): no object is built per token, and no
+Python runs per event: the run is checked in one pass.
 
 Exact, not a guess:
 
@@ -15,10 +16,9 @@ Exact, not a guess:
   the span, and is nothing but it: the span between head and tail is the whole inside of the
   string the text is read from, and nothing else depends on it;
 - a run is decoded only if its events, put back together from the frame and their insides,
-  are the same bytes, and its insides, joined, parse as an array of as many strings (strings
-  alone) and none ends in a lone backslash: then each is by itself the inside of a JSON
-  string, each event of the run parses to the frame's event with its own text, and the
-  array's strings are those texts.
+  are the same bytes, and each inside is by itself the inside of a JSON string (texts_of
+  says how it knows without a parse per inside): then each event of the run parses to the
+  frame's event with its own text, and the string decoded is those texts joined.
 
 Anything else (a field that changes per event, a text the checks refuse) is parsed event by
 event as before: slower, never different.
@@ -32,6 +32,10 @@ from typing import Any
 import orjson
 
 from batchrun.backends.sse import SEPARATOR
+
+# The texts of a run of events, joined, and how many of them are not empty (each is a piece of
+# content that arrived: bench times them).
+Texts = tuple[str, int]
 
 # Texts put in the frame, the first that the event does not hold already (one it holds could be
 # read back by chance: a duplicate key holding it).
@@ -76,7 +80,7 @@ class Frame:
         # string the text is read from, and nothing else in the event changes with it.
         return cls(head, tail)
 
-    def run(self, datas: list[bytes], start: int) -> tuple[int, list[str] | None]:
+    def run(self, datas: list[bytes], start: int) -> tuple[int, Texts | None]:
         """Where the run of events that fit the frame, from `start`, ends, and their texts
         (None if the checks refuse one). `datas`: the data of a read's events, in order.
 
@@ -86,7 +90,7 @@ class Frame:
         event between them does not fit, the run is found event by event."""
         end, tail = len(datas), self.tail
         if start == end or not self.fits(datas[start]):
-            return start, []
+            return start, ("", 0)
         while not datas[end - 1].endswith(tail):  # stops at `start` at the latest
             end -= 1
         run = datas[start:end]
@@ -96,33 +100,34 @@ class Frame:
             while end < len(datas) and self.fits(datas[end]):
                 end += 1
             insides = list(map(self._inside, datas[start:end]))
-        return end, _strings(insides)
+        return end, texts_of(insides)
 
     def fits(self, data: bytes) -> bool:
         """Whether an event starts and ends as the frame's do, with room for a text between."""
         return data.startswith(self.head) and data.endswith(self.tail) and len(data) >= self.least
 
 
-def _strings(insides: list[bytes]) -> list[str] | None:
-    """The strings whose JSON insides these are, in one parse; None unless each is, by itself,
-    the inside of a JSON string. An array of as many strings, and strings alone, means no
-    inside holds a bare quote (it would add a string, or open a bracket that a later one
-    closes), once none ends in a lone backslash (it would escape the quote that closes it,
-    and a bare quote in the next could then pair with it)."""
-    array = b'["' + b'","'.join(insides) + b'"]'
-    if b'\\","' in array or array.endswith(b'\\"]'):  # an inside ends in a backslash
-        # Escaped backslashes out, a backslash left escapes what follows it: none may escape
-        # the end of an inside (a NUL between insides here: valid insides hold none).
-        ends = (b"\0".join(insides) + b"\0").replace(b"\\\\", b"")
-        if b"\\\0" in ends:
-            return None
+def texts_of(insides: list[bytes]) -> Texts | None:
+    """The texts whose JSON insides these are, joined, and how many are not empty; None unless
+    each is, by itself, the inside of a JSON string. One parse, one string made.
+
+    The insides are parsed as one string with a DEL (U+007F, a character JSON strings may hold
+    as it is) between each two. No escape or character of an inside can reach across a DEL:
+    a backslash before it is a bad escape, a `\\u` escape cut by it bad hex, a surrogate
+    pair split by it two lone halves, a character cut by it not UTF-8. So the parse succeeds
+    only if each inside, with a DEL on both sides, reads as it would alone (a bare quote, a
+    control character or a bad escape fails it, as it fails that inside alone), and the
+    string holds each inside's text, a DEL between each two. A text that holds a DEL itself
+    (one more DEL than the seams) gets None: its read is read event by event."""
+    if not insides:
+        return "", 0
     try:
-        strings: list[str] = orjson.loads(array)
+        joined: str = orjson.loads(b'"' + b"\x7f".join(insides) + b'"')
     except orjson.JSONDecodeError:
-        return None  # a bad escape, a control character, not UTF-8
-    if len(strings) != len(insides) or set(map(type, strings)) - {str}:
+        return None  # a bare quote, a bad escape, a control character, not UTF-8
+    if joined.count("\x7f") != len(insides) - 1:
         return None
-    return strings
+    return joined.replace("\x7f", ""), len(insides) - insides.count(b"")
 
 
 def plain_text(chunk: Any, endpoint: str) -> str | None:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchrun.backends.frames import Frame, _strings
+from batchrun.backends.frames import Frame, texts_of
 from tests.streams import body, outcome, same_either_way, split
 
 HEAD = b'{"id":"c1","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"'
@@ -53,6 +53,9 @@ INSIDES = [
     b'"}',
     b"\t",
     b"\x7f",
+    b"\\u007f",
+    b"\\uDE00",
+    b"\\u",
     b"\\/",
     b"\\\\\\",
     b"\x00",
@@ -287,18 +290,22 @@ def test_runs_of_hostile_insides_across_reads(insides: list[bytes], cuts: list[i
     assert as_reference(got) == reference(b"".join(reads))
 
 
-@settings(max_examples=1000, deadline=None)
-@given(st.lists(inside, min_size=1, max_size=6))
-def test_strings_is_exact_for_any_insides(insides: list[bytes]) -> None:
-    # _strings: the texts iff every inside is by itself the inside of a JSON string.
-    each = []
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(inside, max_size=6))
+def test_texts_of_is_exact_for_any_insides(insides: list[bytes]) -> None:
+    # texts_of: the texts joined, and how many are not empty, iff every inside is by itself
+    # the inside of a JSON string (and none holds a DEL, its seam: those are refused too).
+    each: list[str] | None = []
     for one in insides:
         try:
             each.append(orjson.loads(b'"' + one + b'"'))
         except orjson.JSONDecodeError:
             each = None
             break
-    assert _strings(insides) == each
+    if each is None or any("\x7f" in text for text in each):
+        assert texts_of(insides) is None
+    else:
+        assert texts_of(insides) == ("".join(each), sum(1 for text in each if text))
 
 
 # --- errors: frames on must raise what frames off raises --------------------------------

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchrun.backends.answers import FRAME_TRIES, StreamedAnswer
-from batchrun.backends.frames import Frame, plain_text
+from batchrun.backends.frames import Frame, plain_text, texts_of
 from tests.streams import body, same_either_way, split
 
 HEAD = b'{"id":"c1","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"'
@@ -44,8 +44,8 @@ def test_any_text_reads_back_exactly(texts: list[str]) -> None:
 
 
 def test_two_broken_texts_that_pair_into_valid_strings_are_a_cut_stream() -> None:
-    # A lone backslash escapes the quote after it and the next text's bare quote closes the
-    # string: as one array of strings they parse, yet neither event is JSON on its own.
+    # A lone backslash escapes what follows it and the next text's bare quote closes a string:
+    # joined, in an array of strings, the two parse, yet neither event is JSON on its own.
     datas = [HEAD + b"x" + TAIL, HEAD + b"c\\" + TAIL, HEAD + b',"e' + TAIL, FINISH]
     outcome = same_either_way([body(*datas)])
     assert outcome[0] == "cut" and "unreadable stream chunk" in str(outcome[1])
@@ -107,7 +107,7 @@ def test_a_field_that_changes_per_event_costs_a_few_tries_then_none() -> None:
     datas = [HEAD + b"w" + TAIL.replace(b"}]}", b'}],"n":%d}' % i) for i in range(20)]
     streamed = StreamedAnswer("chat", 0.0, None)
     streamed.feed(body(*datas))
-    assert streamed.frames_left == 0 and streamed.pieces == ["w"] * 20
+    assert streamed.frames_left == 0 and streamed.pieces == ["w"] * 20 and streamed.texts == 20
     assert same_either_way([body(*datas, FINISH)])[0] == "w" * 20
 
 
@@ -135,7 +135,7 @@ def test_framed_events_skip_no_piece_and_keep_their_order() -> None:
     datas = [ROLE, *(HEAD + w + TAIL for w in (b"1", b"", b"2")), FINISH, HEAD + b"3" + TAIL]
     streamed = StreamedAnswer("chat", 0.0, None)
     streamed.feed(body(*datas))
-    assert streamed.pieces == ["1", "2", "3"] and streamed.frame is not None
+    assert "".join(streamed.pieces) == "123" and streamed.texts == 3 and streamed.frame is not None
     assert streamed.completion().text == "123"
 
 
@@ -152,7 +152,10 @@ def test_json_written_by_a_model_is_read_framed() -> None:
     words = ["{", '"', "name", '":', ' "', "a\\b", '",', ' "n', '":', " 3", "}", "\\"]
     datas = [HEAD + orjson.dumps(word)[1:-1] + TAIL for word in words]
     frame = Frame.of(datas[0], "{", "chat")
-    assert frame is not None and frame.run([*datas, FINISH], 0) == (len(datas), words)
+    assert frame is not None and frame.run([*datas, FINISH], 0) == (
+        len(datas),
+        ("".join(words), len(words)),
+    )
     assert same_either_way([body(*datas, FINISH)])[0] == "".join(words)
 
 
@@ -248,5 +251,23 @@ def test_orjson_refuses_in_a_string_what_frames_rely_on_it_to_refuse(inside: byt
     # Frames are exact only while the JSON parser is strict: a line break kept out of a text
     # keeps the stream's own lines out of it, and the rest would make a text no event holds.
     with pytest.raises(orjson.JSONDecodeError):
-        orjson.loads(b'["' + inside + b'"]')
+        orjson.loads(b'"a\x7f' + inside + b'\x7fb"')  # as texts_of reads it, between seams
     assert Frame(HEAD, TAIL).run([HEAD + inside + TAIL] * 4, 0)[1] is None
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [(b"a\\", b"nb"), (b"\\ud83d", b"\\ude00"), (b"\\u12", b"34"), (b"\xc3", b"\xa9")],
+    ids=["cut-escape", "split-surrogate-pair", "cut-hex", "cut-character"],
+)
+def test_no_escape_or_character_reaches_across_a_del(before: bytes, after: bytes) -> None:
+    # texts_of parses a run's insides as one string, a DEL between each two. Each pair here
+    # reads as text joined directly and neither does alone: across a DEL it must not read.
+    assert orjson.loads(b'"' + before + after + b'"')
+    with pytest.raises(orjson.JSONDecodeError):
+        orjson.loads(b'"' + before + b"\x7f" + after + b'"')
+    assert texts_of([before, after]) is None
+    assert texts_of([b"x", before + after, b"\\\\"]) == (
+        "x" + orjson.loads(b'"' + before + after + b'"') + "\\",
+        3,
+    )
