@@ -9,8 +9,9 @@ and are here only to bound what any exact reader can save):
 - batchrun: the answer as batchrun reads it (backends/answers.py, frames.py);
 - every event parsed: each event's JSON parsed on its own (frames off);
 - texts, unchecked: the read split into events, the first and last events parsed, and the
-  texts of the rest decoded in one call from a frame taken once for the whole run, with none
-  of frames.py's checks (a frame a probe, the run put back together, the strings' count);
+  texts of the rest decoded as one string in one call from a frame taken once for the whole
+  run, with none of frames.py's checks (a frame a probe, the run put back together, a seam
+  between each two texts);
 - not read: the answer taken as whole at its first read, nothing decoded: what streaming
   costs the engine and the backend around the reading.
 
@@ -55,7 +56,7 @@ def texts_unchecked(answer: StreamedAnswer, chunk: bytes) -> None:
         FRAMES.append(frame)
     end, frame = len(datas) - 3, FRAMES[0]  # the last: finish reason, usage, [DONE]
     insides = [data[len(frame.head) : -len(frame.tail)] for data in datas[1:end]]
-    answer.pieces.extend(orjson.loads(b'["' + b'","'.join(insides) + b'"]'))
+    answer.pieces.append(orjson.loads(b'"' + b"".join(insides) + b'"'))
     for data in datas[end:-1]:
         answer._chunk(orjson.loads(data))
     answer.events, answer.done, answer.saw_choice = len(datas), True, True
