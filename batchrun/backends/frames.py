@@ -3,9 +3,8 @@
 A server writes every token's event of an answer the same way: the same id, model and fields
 around a different piece of text. Once one such event has been parsed, the bytes before and
 after its text are the answer's frame. A run of later events that are the frame around some
-text is read as those texts alone, joined, decoded in one C call as one string (or, where a
-text holds a `\\u` escape, as a JSON array of strings): no object is built per token, and no
-Python runs per event: the run is checked in one pass.
+text is read as those texts alone, decoded in one C call as one string (texts_of): no object
+is built per token, and no Python runs per event: the run is checked in one pass.
 
 Exact, not a guess:
 
