@@ -126,9 +126,10 @@ class StreamedAnswer:
             self._chunk(chunk)
         if at > start:  # a run of events, each with a choice
             self.saw_choice = True
-            if texts[1]:
-                self.pieces.append(texts[0])
-                self.texts += texts[1]
+            joined, count = texts
+            if count:
+                self.pieces.append(joined)
+                self.texts += count
         for chunk in later:
             self._chunk(chunk)
         return True
