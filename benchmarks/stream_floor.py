@@ -1,10 +1,10 @@
-"""How far can reading a streamed answer go in Python? batchrun's reader against two floors.
+"""How far can reading a streamed answer go in Python? batchrun's reader against three floors.
 
 Runs batchrun's backend (OpenAICompatBackend.complete on its own engine, as engines.py does)
 against the zero-latency server (fast_server.py, another process, a whole answer in one
 write), 32 in flight, and prints the client's CPU per request, not streamed and streamed, with
-the streamed answer read four ways (the last two are models, not readers: they check nothing,
-and are here only to bound what any exact reader can save):
+the streamed answer read five ways (the last three are models, not readers: they check
+nothing, and are here only to bound what any exact reader can save):
 
 - batchrun: the answer as batchrun reads it (backends/answers.py, frames.py);
 - every event parsed: each event's JSON parsed on its own (frames off);
@@ -12,6 +12,9 @@ and are here only to bound what any exact reader can save):
   texts of the rest decoded as one string in one call from a frame taken once for the whole
   run, with none of frames.py's checks (a frame a probe, the run put back together, a seam
   between each two texts);
+- run free: what Python would still do if native code handed it a run's texts at no cost
+  (the first event and the last two parsed, their chunks and the text added, the arrival
+  timed), with no frame taken: the floor of any reader that compiles only the run;
 - not read: the answer taken as whole at its first read, nothing decoded: what streaming
   costs the engine and the backend around the reading.
 
@@ -38,6 +41,8 @@ from batchrun.backends.sse import SEPARATOR
 
 Feed = Callable[[StreamedAnswer, bytes], None]
 FRAMES: list[Frame] = []  # the one frame "texts, unchecked" takes, from the first answer
+RUN_PIECES = 28  # "run free": the texts between the first and the last (--tokens less two)
+RUN_TEXT = " word" * RUN_PIECES
 
 
 def every_event(answer: StreamedAnswer, chunk: bytes) -> None:
@@ -63,6 +68,20 @@ def texts_unchecked(answer: StreamedAnswer, chunk: bytes) -> None:
     answer._arrived(0)
 
 
+def run_free(answer: StreamedAnswer, chunk: bytes) -> None:
+    text = answer._decoder.take(chunk)
+    first = text.find(b"\n\n")
+    answer._chunk(orjson.loads(text[6:first]))
+    usage = text.rfind(SEPARATOR, 0, text.rfind(SEPARATOR))  # the last: usage, [DONE]
+    finish = text.rfind(SEPARATOR, 0, usage)
+    answer._chunk(orjson.loads(text[finish + len(SEPARATOR) : usage]))
+    answer._chunk(orjson.loads(text[usage + len(SEPARATOR) : text.rfind(SEPARATOR)]))
+    answer.pieces.append(RUN_TEXT)
+    answer.texts += RUN_PIECES
+    answer.events, answer.done, answer.saw_choice = RUN_PIECES + 4, True, True
+    answer._arrived(answer.texts)
+
+
 def not_read(answer: StreamedAnswer, chunk: bytes) -> None:
     answer.pieces, answer.finish, answer.saw_choice = ["x"], "stop", True
     answer.events, answer.done = 1, True
@@ -73,6 +92,7 @@ READERS: dict[str, Feed] = {
     "batchrun": BATCHRUN,
     "every event parsed": every_event,
     "texts, unchecked": texts_unchecked,
+    "run free": run_free,
     "not read": not_read,
 }
 
@@ -85,6 +105,9 @@ def main() -> None:
     args = parser.parse_args()
     gc.freeze()  # the collector as the `batchrun` command sets it (batchrun/__main__.py)
     gc.set_threshold(10_000)
+    global RUN_PIECES, RUN_TEXT
+    RUN_PIECES = args.tokens - 2
+    RUN_TEXT = " word" * RUN_PIECES
     server, base = start_server(args.tokens)
     url, loop = base + "/chat/completions", on_backend(lambda _: None)
     times: dict[str, list[float]] = {}
