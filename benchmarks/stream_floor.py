@@ -21,7 +21,8 @@ exact reader must do, and is here only to bound what such a reader can save):
   costs the engine and the backend around the reading.
 
 The gap between batchrun and "texts, unchecked" is what exactness costs; the gap between that
-and "not read" is what any reader must spend at least (splitting, decoding, the objects made).
+and "not read" is what any reader must spend at least (splitting, decoding, the objects made);
+the gap between batchrun and "compiled run" is the most that compiling the run alone can save.
 
     python benchmarks/stream_floor.py [--requests 3000] [--repeat 5] [--tokens 30]
 """
