@@ -45,7 +45,7 @@ def test_any_text_reads_back_exactly(texts: list[str]) -> None:
 
 def test_two_broken_texts_that_pair_into_valid_strings_are_a_cut_stream() -> None:
     # A lone backslash escapes what follows it and the next text's bare quote closes a string:
-    # joined, in an array of strings, the two parse, yet neither event is JSON on its own.
+    # read together the two could pair into valid strings, yet neither event is JSON alone.
     datas = [HEAD + b"x" + TAIL, HEAD + b"c\\" + TAIL, HEAD + b',"e' + TAIL, FINISH]
     outcome = same_either_way([body(*datas)])
     assert outcome[0] == "cut" and "unreadable stream chunk" in str(outcome[1])
