@@ -32,13 +32,9 @@ def compiled_copy(into: Path) -> Path:
     """A copy of the package with the reader's modules compiled (no pyproject beside it:
     mypyc's setup reads none)."""
     shutil.copytree(ROOT / "batchrun", into / "batchrun", ignore=_not_source)
-    subprocess.run(
-        [sys.executable, "-m", "mypyc", *READER],
-        cwd=into,
-        check=True,
-        text=True,
-        capture_output=True,
-    )
+    done = subprocess.run([sys.executable, "-m", "mypyc", *READER], cwd=into, capture_output=True)
+    if done.returncode:  # no C compiler, no Python headers, mypy missing: its own words
+        raise SystemExit(f"mypyc failed:\n{(done.stdout + done.stderr).decode()[-3000:]}")
     check = "import batchrun.backends.frames as m; print(m.__file__)"
     where = _python(into, ["-c", check]).strip()
     if not where.endswith(".so"):
