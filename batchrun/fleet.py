@@ -9,7 +9,9 @@ so it is not sent to again in this run). While another lane is up, a request tha
 unreachable lane, or on one taken out, is sent again elsewhere at once and costs its item no
 attempt (at most twice per endpoint, so a prompt that breaks every server still runs out of
 attempts); the job stops only when every lane left has been down past the outage grace period
-(EndpointDown), or every lane is out (its error).
+(EndpointDown), or every lane is out (its error). With outage handling off (a grace period of
+0) a lane that looks unreachable is drained all the same, and while none is up the drained ones
+are sent to as if up: failures count against the items, which fail; the job never stops for it.
 
 Prefix groups (items sharing a long prompt prefix) keep to the lane that took their first item
 when it has a free slot, so the prefix is cached once; a free slot elsewhere is never left idle
@@ -224,6 +226,8 @@ class Fleet:
                 self._on_event("endpoint_probe", endpoint=lane.name)
                 return lane
         up = [lane for lane in lanes if lane.state == "up"]
+        if not up and self.grace <= 0:  # outages not handled: nothing waits for a probe
+            up = [lane for lane in lanes if lane.state == "down"]
         if any(lane.route.weight > 0 for lane in up):  # weight 0: a fallback
             up = [lane for lane in up if lane.route.weight > 0]
         preferred = self._affinity.get(group) if group is not None else None
@@ -311,7 +315,7 @@ class Fleet:
         lane.errors += 1
         if self.only is not None:
             return free
-        if lane.state == "up" and lane.outage.down:
+        if lane.state == "up" and lane.outage.unreachable:
             self._down(lane)
         if free:
             return True

@@ -95,10 +95,15 @@ class OutageWatch:
         return False
 
     @property
+    def unreachable(self) -> bool:
+        """What an outage looks like, whether or not outages are handled: several endpoints
+        drain a lane on it even with `grace` 0 (fleet.py)."""
+        return self.down_since is not None and len(self._failing) >= self.MIN_ITEMS
+
+    @property
     def down(self) -> bool:
-        return (
-            self.grace > 0 and self.down_since is not None and len(self._failing) >= self.MIN_ITEMS
-        )
+        """An outage, handled: its failures cost no attempts, and it may stop the job."""
+        return self.grace > 0 and self.unreachable
 
     def check(self) -> None:
         """Raise EndpointDown once the outage has lasted longer than the grace period."""

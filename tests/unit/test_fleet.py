@@ -651,3 +651,41 @@ async def test_after_a_refusal_the_other_endpoints_retry_after_is_still_waited(
     hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, refused_first(busy))
     await run(tmp_path, hosts, n=10, max_attempts=3, fake=fake, endpoints=endpoints("a", "b"))
     assert fake.sleeps.count(20) >= 2  # not sent again at once on the endpoint that said wait
+
+
+@pytest.mark.anyio
+async def test_outage_handling_off_still_drains_a_dead_endpoint_among_several(
+    tmp_path: Path,
+) -> None:
+    # Before: `--outage-timeout 0` kept a dead endpoint up. Failing at once, it was always the
+    # least busy, so items went there again and again until their attempts ran out.
+    def dies(request: httpx.Request, n: int) -> httpx.Response | None:
+        return refused(request) if n > 5 else None
+
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, {"b.test": dies})
+    ledger, stats = await run(
+        tmp_path, hosts, n=200, outage_timeout=0, max_attempts=2, endpoints=endpoints("a", "b")
+    )
+    assert ledger.counts("j")["done"] == 200 and stats.aborted is None
+    uses = {u.name: u for u in stats.endpoints}
+    assert uses["b"].state == "down" and "refused" in uses["b"].reason
+    assert uses["b"].answered == 5 and uses["a"].answered == 195
+
+
+@pytest.mark.anyio
+async def test_outage_handling_off_fails_items_when_every_endpoint_is_dead(
+    tmp_path: Path,
+) -> None:
+    # Drained lanes are sent to as before once none is up: the items fail by their attempts,
+    # and the job ends (it neither stops with exit 3 nor waits for a probe for ever).
+    def down(request: httpx.Request, n: int) -> httpx.Response:
+        return refused(request)
+
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, {"a.test": down, "b.test": down})
+    with anyio.fail_after(30):
+        ledger, stats = await run(
+            tmp_path, hosts, n=20, outage_timeout=0, max_attempts=2, endpoints=endpoints("a", "b")
+        )
+    assert stats.aborted is None
+    assert ledger.counts("j")["failed"] == 20
+    assert all(u.state == "down" for u in stats.endpoints)
