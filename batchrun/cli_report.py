@@ -17,7 +17,7 @@ from batchrun.cli_errors import (
     printable,
     say,
 )
-from batchrun.fleet import EndpointUse
+from batchrun.lanes import EndpointUse
 from batchrun.ledger import FINAL_STATUSES
 from batchrun.ledger import left as open_items
 from batchrun.progress import ProgressUpdate

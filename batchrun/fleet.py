@@ -4,14 +4,16 @@ more of the work.
 
 A lane is `up` (sent to), `down` (its failures say it is unreachable: it is drained, and one
 request now and then probes it, 1 s after it went down and then twice as long each time up to
-30 s; the first answer brings it back up) or `out` (a 401/403/404: its configuration is wrong,
-so it is not sent to again in this run). While another lane is up, a request that fails on an
-unreachable lane, or on one taken out, is sent again elsewhere at once and costs its item no
-attempt (at most twice per endpoint, so a prompt that breaks every server still runs out of
-attempts); the job stops only when every lane left has been down past the outage grace period
-(EndpointDown), or every lane is out (its error). With outage handling off (a grace period of
-0) a lane that looks unreachable is drained all the same, and while none is up the drained ones
-are sent to as if up: failures count against the items, which fail; the job never stops for it.
+30 s; the first answer brings it back up; or it refused REFUSALS_TO_DRAIN lines in a row that
+others answered: drained and probed the same, and only an answer brings it back) or `out` (a
+401/403/404: its configuration is wrong, so it is not sent to again in this run). While another
+lane is up, a request that fails on an unreachable lane, or on one taken out, is sent again
+elsewhere at once and costs its item no attempt (at most twice per endpoint, so a prompt that
+breaks every server still runs out of attempts); the job stops only when every lane left has
+been down past the outage grace period or drained for refusing (EndpointDown), or every lane is
+out (its error). With outage handling off (a grace period of 0) a lane that looks unreachable is
+drained all the same, and while none is up the drained ones are sent to as if up: failures count
+against the items, which fail; the job never stops for it.
 
 Prefix groups (items sharing a long prompt prefix) keep to the lane that took their first item
 when it has a free slot, so the prefix is cached once; a free slot elsewhere is never left idle
@@ -26,15 +28,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter, OrderedDict, deque
-from collections.abc import Awaitable, Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
 import anyio
 
-from batchrun.backends import Backend
-from batchrun.config import RunSpec
 from batchrun.errors import (
     EmptyStream,
     EndpointDown,
@@ -43,15 +43,17 @@ from batchrun.errors import (
     StreamCut,
     TransientError,
 )
-from batchrun.retrying import Clock, OutageWatch, looks_like_outage
-from batchrun.server_metrics import ServerLoad
-from batchrun.throttle import Throttle
+from batchrun.lanes import PROBE_FIRST_S, EndpointUse, Lane
+from batchrun.retrying import Clock, looks_like_outage
 
-PROBE_FIRST_S = 1.0
 PROBE_MOST_S = 30.0
 AFFINITY_GROUPS = 4096  # prefix groups whose lane is remembered
 WAKE_SCAN = 16  # waiters looked at for one whose group belongs to the lane that has room
 FREE_TRIES = 2  # per endpoint: how often one item may fail for free on failing endpoints
+# Lines in a row that an endpoint refused and others then answered, before it is drained: lines
+# it refuses are then its rule, not a few prompts' fault. A share f of lines it refuses gives
+# such a run by chance with odds f**4; drained by mistake, it is back at its first answer.
+REFUSALS_TO_DRAIN = 4
 
 
 _PROBING = object()  # a probe's lane, picked and not yet given its item
@@ -59,59 +61,6 @@ _PROBING = object()  # a probe's lane, picked and not yet given its item
 
 class Rerouted(TransientError):
     """The lane this request went to is out of the job: send it again on another one (free)."""
-
-
-@dataclass(frozen=True)
-class Route:
-    """One endpoint as the job sends to it: its name, its spec (URL, preset, key variable,
-    model, pacing), its backend, and where its server's load can be read."""
-
-    name: str
-    spec: RunSpec
-    backend: Backend
-    weight: float = 1.0
-    server_load: Callable[[], Awaitable[ServerLoad | None]] | None = None
-
-
-@dataclass(frozen=True)
-class EndpointUse:
-    """What one endpoint did in a run, for the summary and `status`."""
-
-    name: str
-    state: str  # up | down | out
-    answered: int  # requests it answered
-    errors: int  # requests that failed on it
-    limit: int  # its concurrency limit at the end
-    reason: str = ""  # why it is down or out
-
-
-@dataclass(eq=False)
-class Lane:
-    route: Route
-    throttle: Throttle
-    outage: OutageWatch
-    answer_spec: str  # recorded with its results, for later reuse
-    state: str = "up"
-    reason: str = ""
-    sent: int = 0  # requests it was picked for
-    answered: int = 0
-    errors: int = 0
-    probe: Hashable = None  # the item whose request probes this lane now, if one does
-    probe_at: float = 0.0
-    probe_wait: float = PROBE_FIRST_S
-
-    @property
-    def name(self) -> str:
-        return self.route.name
-
-    @property
-    def backend(self) -> Backend:
-        return self.route.backend
-
-    def use(self) -> EndpointUse:
-        return EndpointUse(
-            self.name, self.state, self.answered, self.errors, self.throttle.limit, self.reason
-        )
 
 
 @dataclass(eq=False)
@@ -226,7 +175,9 @@ class Fleet:
                 self._on_event("endpoint_probe", endpoint=lane.name)
                 return lane
         up = [lane for lane in lanes if lane.state == "up"]
-        if not up and self.grace <= 0:  # outages not handled: nothing waits for a probe
+        if not up and (self.grace <= 0 or all(lane.refusing for lane in self._live())):
+            # nothing to wait for: outages are not handled, or the lanes left are reachable
+            # and only refuse lines (sent to, each line fails or is answered, as with one)
             up = [lane for lane in lanes if lane.state == "down"]
         if any(lane.route.weight > 0 for lane in up):  # weight 0: a fallback
             up = [lane for lane in up if lane.route.weight > 0]
@@ -286,10 +237,10 @@ class Fleet:
         if self.only is not None:
             return
         reached = error is None or (
-            isinstance(error, RequestError) and not _endpoint_failure(error)
+            not lane.refusing and isinstance(error, RequestError) and not _endpoint_failure(error)
         )
         if reached and lane.state == "down":
-            lane.state, lane.reason, lane.probe = "up", "", None
+            lane.state, lane.reason, lane.probe, lane.refusing = "up", "", None, False
             self._on_event("endpoint_up", endpoint=lane.name)
             self._wake_all()
         elif lane.probe == key and lane.probe is not None:
@@ -302,9 +253,13 @@ class Fleet:
     def success(self, key: Hashable = None, sent: float | None = None) -> None:
         lane = self.only or self._sent_to.pop(key)
         self._free.pop(key, None)
-        self._refused.pop(key, None)
         lane.outage.success(key, sent)
         lane.answered += 1
+        lane.refusals = 0
+        for refuser in self._refused.pop(key, ()):  # another lane answered what it refused
+            refuser.refusals += 1
+            if refuser.refusals >= REFUSALS_TO_DRAIN and refuser.state == "up":
+                self._down(refuser, refusing=True)
 
     def failure(self, exc: TransientError, key: Hashable = None) -> bool:
         """Note a failed request; True: it costs its item no attempt."""
@@ -350,25 +305,36 @@ class Fleet:
         if self.only is not None:
             self.only.outage.check()
             return
-        live = [lane for lane in self.lanes if lane.state != "out"]
+        live = self._live()
         if not live:
             assert self._out_error is not None
             raise self._out_error
         if self.grace <= 0:
             return
         now = self.clock()
-        gone = [
-            lane
-            for lane in live
-            if lane.state == "down"
-            and lane.outage.down_since is not None
-            and now - lane.outage.down_since > self.grace
-        ]
-        if len(gone) == len(live):
-            errors = "; ".join(f"{lane.name}: {lane.outage.last_error}" for lane in gone)
+        lost = [lane for lane in live if self._lost(lane, now)]
+        # the lanes drained for refusing lines are no reason to go on without the others
+        if lost and len(lost) + sum(lane.refusing for lane in live) == len(live):
+            errors = "; ".join(
+                [f"{lane.name}: {lane.outage.last_error}" for lane in lost]
+                + [f"{lane.name}: {lane.reason}" for lane in live if lane.refusing]
+            )
             raise EndpointDown(
                 f"every endpoint unreachable for over {self.grace:g}s; last errors: {errors}"
             )
+
+    def _live(self) -> list[Lane]:
+        return [lane for lane in self.lanes if lane.state != "out"]
+
+    def _lost(self, lane: Lane, now: float) -> bool:
+        """Down for an outage, past the grace period."""
+        since = lane.outage.down_since
+        return (
+            lane.state == "down"
+            and not lane.refusing
+            and since is not None
+            and (now - since > self.grace)
+        )
 
     def forget(self, key: Hashable) -> None:
         """The item is over (a result, or given up): nothing about it is kept."""
@@ -376,17 +342,21 @@ class Fleet:
         self._free.pop(key, None)
         self._refused.pop(key, None)
 
-    def refused(self, lane: Lane, key: Hashable) -> bool:
+    def refused(self, lane: Lane, key: Hashable, error: RequestError) -> bool:
         """`lane` refused the item's request (a 400; a 404 to a model or API the line asked for
         itself): the item's fault or that lane's, not the job's. True while a lane that has not
-        refused it is still in the job: the request goes there, free (else an endpoint that
-        refuses at once, always the least busy, would fail the items a healthy one could
-        answer); False: every lane that is up refused it, and it fails (a lane that is down
-        may stay down: the item would wait for it for ever)."""
+        refused it is up: the request goes there, free (else an endpoint that refuses at once,
+        always the least busy, would fail the items a healthy one could answer). False: every
+        lane that is up refused it, and it fails (a lane that is down may stay down: the item
+        would wait for it for ever), unless `lane` was drained for refusing lines that others
+        answer (success) and this was its probe: then the item waits for a lane that is down
+        for an outage, as the job does (check), and stops with it past the grace."""
         lane.errors += 1
+        lane.refusal = str(error)
         tried = self._refused.setdefault(key, set())
         tried.add(lane)
-        if any(other.state == "up" and other not in tried for other in self.lanes):
+        waits = ("up", "down") if lane.refusing and self.grace > 0 else ("up",)
+        if any(o.state in waits and not o.refusing and o not in tried for o in self.lanes):
             return True
         del self._refused[key]
         return False
@@ -406,8 +376,13 @@ class Fleet:
         self._wake_all()
         return True
 
-    def _down(self, lane: Lane) -> None:
-        lane.state, lane.reason = "down", lane.outage.last_error
+    def _down(self, lane: Lane, *, refusing: bool = False) -> None:
+        lane.state, lane.refusing = "down", refusing
+        lane.reason = (
+            f"refused {lane.refusals} lines in a row that other endpoints answered: {lane.refusal}"
+            if refusing
+            else lane.outage.last_error
+        )
         lane.probe_wait = PROBE_FIRST_S
         lane.probe_at = self.clock() + lane.probe_wait
         self._on_event("endpoint_down", endpoint=lane.name, error=lane.reason)

@@ -26,8 +26,8 @@ from batchrun.errors import (
     UsageError,
     single_error,
 )
-from batchrun.fleet import EndpointUse
 from batchrun.inputs import InputReader, file_digest
+from batchrun.lanes import EndpointUse
 from batchrun.ledger import FINAL_STATUSES, IngestReport, Job, Joining, Ledger, left
 from batchrun.limiter import estimate_split
 from batchrun.outputs import FORMATS, write_results

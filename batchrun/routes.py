@@ -19,7 +19,7 @@ from batchrun.backends.metrics_reader import MetricsReader
 from batchrun.config import RunSpec, resolve
 from batchrun.endpoints import EndpointSpec, host_port, parse_endpoints
 from batchrun.errors import EndpointDown, FatalError, RequestError
-from batchrun.fleet import Route
+from batchrun.lanes import Route
 from batchrun.retrying import OutageWatch, RetryPolicy, Sleep
 
 # What an endpoint takes from its own part of --endpoint, never from the job's options.

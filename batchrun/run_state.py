@@ -12,7 +12,7 @@ import anyio
 from batchrun.retrying import Sleep
 
 if TYPE_CHECKING:
-    from batchrun.fleet import EndpointUse
+    from batchrun.lanes import EndpointUse
 
 LEASE_TTL = 60.0  # a runner whose heartbeat is older than this is taken for dead
 

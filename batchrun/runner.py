@@ -32,7 +32,8 @@ from batchrun.errors import (
     OutputError,
 )
 from batchrun.feeder import Feeder
-from batchrun.fleet import Fleet, Lane, Route
+from batchrun.fleet import Fleet
+from batchrun.lanes import Lane, Route
 from batchrun.ledger import ClaimedItem, ItemResult, Ledger
 from batchrun.ledger_calls import LedgerCalls
 from batchrun.progress import JobLog, Progress

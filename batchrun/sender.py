@@ -16,8 +16,9 @@ import anyio
 
 from batchrun.backends import Completion, CompletionRequest
 from batchrun.errors import BadRequest, FatalError, NotFound, PermanentError, RequestError
-from batchrun.fleet import Fleet, Lane, Rerouted
+from batchrun.fleet import Fleet, Rerouted
 from batchrun.inputs import estimate_tokens
+from batchrun.lanes import Lane
 from batchrun.ledger import ClaimedItem, ItemResult
 from batchrun.limiter import estimate_split
 from batchrun.progress import JobLog, input_summary
@@ -147,7 +148,7 @@ class Sender:
                     if isinstance(exc, FatalError) and not own and fleet.take_out(lane, exc):
                         raise Rerouted(f"{lane.name} left the job: {exc}") from None
                     if (own or isinstance(exc, BadRequest)) and fleet.only is None:
-                        if fleet.refused(lane, item.line):  # another endpoint may take it
+                        if fleet.refused(lane, item.line, exc):  # another endpoint may take it
                             raise Rerouted(f"{lane.name} refused it: {exc}") from None
                         if own:  # every endpoint refused the line: it fails, not the job
                             raise PermanentError(str(exc)) from None

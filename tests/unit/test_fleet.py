@@ -19,8 +19,8 @@ from batchrun.cli_report import summary_line
 from batchrun.config import resolve
 from batchrun.endpoints import parse_endpoint, parse_endpoints
 from batchrun.errors import UsageError
-from batchrun.fleet import Route
 from batchrun.jobs import Home
+from batchrun.lanes import Route
 from batchrun.ledger import Ledger
 from batchrun.prefixes import PREFIX_CHARS, Grouper, prefix_key
 from batchrun.routes import by_prefix, opened_routes
@@ -689,3 +689,92 @@ async def test_outage_handling_off_fails_items_when_every_endpoint_is_dead(
     assert stats.aborted is None
     assert ledger.counts("j")["failed"] == 20
     assert all(u.state == "down" for u in stats.endpoints)
+
+
+@pytest.mark.anyio
+async def test_an_endpoint_that_refuses_the_lines_others_answer_is_drained(
+    tmp_path: Path,
+) -> None:
+    # Before: failing at once, it was always the least busy, so it got every line first (199
+    # refused requests for 200 lines). Now it is drained after a few, and probed.
+    def too_long(request: httpx.Request, n: int) -> httpx.Response:
+        return httpx.Response(400, json={"error": {"message": "maximum context length is 4096"}})
+
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, {"a.test": too_long})
+    ledger, stats = await run(tmp_path, hosts, n=200, endpoints=endpoints("a", "b"))
+    assert ledger.counts("j")["done"] == 200 and stats.aborted is None
+    uses = {u.name: u for u in stats.endpoints}
+    assert uses["a"].state == "down" and "maximum context length" in uses["a"].reason
+    assert hosts.posts["a.test"] <= 20
+    log = (tmp_path / "logs" / "j.log").read_text()
+    assert '"event":"endpoint_down"' in log
+
+
+@pytest.mark.anyio
+async def test_an_endpoint_with_a_wrong_path_is_drained_when_lines_name_their_model(
+    tmp_path: Path,
+) -> None:
+    # Every line names its model, so a 404 may be the line's own (a model the endpoint lacks)
+    # and takes nothing out; but an endpoint that 404s what others answer is drained.
+    def no_route(request: httpx.Request, n: int) -> httpx.Response:
+        return httpx.Response(404, json={"error": {"message": "no route /v2/chat/completions"}})
+
+    rows = [{"id": f"p{i}", "prompt": f"prompt {i}", "model": "sim-1"} for i in range(200)]
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, {"a.test": no_route})
+    ledger, stats = await run(tmp_path, hosts, lines=rows, endpoints=endpoints("a", "b"))
+    assert ledger.counts("j")["done"] == 200 and stats.aborted is None
+    assert {u.name: u.state for u in stats.endpoints} == {"a": "down", "b": "up"}
+    assert hosts.posts["a.test"] <= 20
+
+
+@pytest.mark.anyio
+async def test_a_drained_refusing_endpoint_that_answers_a_probe_is_up_again(
+    tmp_path: Path,
+) -> None:
+    fake = FakeTime()
+
+    def refuses_at_first(request: httpx.Request, n: int) -> httpx.Response | None:
+        if n <= 12:
+            return httpx.Response(400, json={"error": {"message": "not yet"}})
+        return None
+
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, {"a.test": refuses_at_first})
+    hosts.sims["b.test"] = SlowSim(fake)  # time passes: a's probe comes due
+    ledger, stats = await run(tmp_path, hosts, n=400, fake=fake, endpoints=endpoints("a", "b"))
+    assert ledger.counts("j")["done"] == 400
+    log = (tmp_path / "logs" / "j.log").read_text()
+    assert '"event":"endpoint_down"' in log and '"event":"endpoint_up"' in log
+    uses = {u.name: u for u in stats.endpoints}
+    assert uses["a"].state == "up" and uses["a"].answered > 10
+
+
+@pytest.mark.anyio
+async def test_lines_refused_by_one_endpoint_wait_for_another_one_down_not_fail(
+    tmp_path: Path,
+) -> None:
+    # `a` refuses every line (drained for it), `b` answers some and goes down: the lines are
+    # b's to answer, so they wait for it, and the job stops past the grace with them pending.
+    def too_long(request: httpx.Request, n: int) -> httpx.Response:
+        return httpx.Response(400, json={"error": {"message": "maximum context length is 4096"}})
+
+    def dies(request: httpx.Request, n: int) -> httpx.Response | None:
+        return refused(request) if n > 20 else None
+
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()}, {"a.test": too_long})
+    hosts.hooks["b.test"] = dies
+    home = Home.at(tmp_path, None)
+    ledger = Ledger(home.ledger_url)
+    (tmp_path / "in.jsonl").write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(60)))
+    options = {"endpoints": endpoints("a", "b"), "model": "sim-1", "outage_timeout": 1.5}
+    spec = resolve({**options, "concurrency": 2, "max_attempts": 3})
+    jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
+    settings = RunnerSettings(drain_timeout=0.0)  # real time: probes are timed by the clock
+    with anyio.fail_after(30):
+        stats = await jobs.run_job(ledger, home, "j", spec, transport=hosts, settings=settings)
+    assert stats.aborted is not None and "every endpoint unreachable" in stats.aborted
+    assert "a: refused 4 lines in a row" in stats.aborted  # why `a` did not take them
+    counts = ledger.counts("j")
+    assert counts["done"] == 20 and counts["failed"] == 0 and counts["pending"] == 40
+    uses = {u.name: u for u in stats.endpoints}
+    assert uses["a"].state == "down" and "refused" in uses["a"].reason
+    assert hosts.posts["a.test"] > 1  # probed while b was down: a refusal made it wait

@@ -22,8 +22,8 @@ from batchrun.cli_errors import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_SOME_FAILED
 from batchrun.cli_report import exit_code
 from batchrun.config import resolve
 from batchrun.errors import LedgerError
-from batchrun.fleet import Route
 from batchrun.jobs import Home
+from batchrun.lanes import Route
 from batchrun.ledger import ClaimedItem, Ledger
 from batchrun.progress import JobLog
 from batchrun.run_state import RunnerSettings, RunStats

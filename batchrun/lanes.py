@@ -1,0 +1,71 @@
+"""One endpoint as a job sends to it (Route), its state in a run (Lane: fleet.py moves it between
+up, down and out), and what it did, for the summary and `status` (EndpointUse)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass
+
+from batchrun.backends import Backend
+from batchrun.config import RunSpec
+from batchrun.retrying import OutageWatch
+from batchrun.server_metrics import ServerLoad
+from batchrun.throttle import Throttle
+
+PROBE_FIRST_S = 1.0  # a lane gone down is probed this long after, then twice as long each time
+
+
+@dataclass(frozen=True)
+class Route:
+    """One endpoint as the job sends to it: its name, its spec (URL, preset, key variable,
+    model, pacing), its backend, and where its server's load can be read."""
+
+    name: str
+    spec: RunSpec
+    backend: Backend
+    weight: float = 1.0
+    server_load: Callable[[], Awaitable[ServerLoad | None]] | None = None
+
+
+@dataclass(frozen=True)
+class EndpointUse:
+    """What one endpoint did in a run, for the summary and `status`."""
+
+    name: str
+    state: str  # up | down | out
+    answered: int  # requests it answered
+    errors: int  # requests that failed on it
+    limit: int  # its concurrency limit at the end
+    reason: str = ""  # why it is down or out
+
+
+@dataclass(eq=False)
+class Lane:
+    route: Route
+    throttle: Throttle
+    outage: OutageWatch
+    answer_spec: str  # recorded with its results, for later reuse
+    state: str = "up"
+    reason: str = ""
+    sent: int = 0  # requests it was picked for
+    answered: int = 0
+    errors: int = 0
+    probe: Hashable = None  # the item whose request probes this lane now, if one does
+    probe_at: float = 0.0
+    probe_wait: float = PROBE_FIRST_S
+    refusal: str = ""  # the latest refusal's error
+    refusals: int = 0  # lines it refused that others then answered, since its last answer
+    refusing = False  # down for refusing (REFUSALS_TO_DRAIN): only an answer brings it back
+
+    @property
+    def name(self) -> str:
+        return self.route.name
+
+    @property
+    def backend(self) -> Backend:
+        return self.route.backend
+
+    def use(self) -> EndpointUse:
+        return EndpointUse(
+            self.name, self.state, self.answered, self.errors, self.throttle.limit, self.reason
+        )
