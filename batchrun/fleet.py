@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
@@ -89,9 +89,15 @@ class Fleet:
     """The lanes, and the outage rules over them (the RetryPolicy's `outage`)."""
 
     def __init__(
-        self, lanes: list[Lane], *, clock: Clock, on_event: Callable[..., None] | None = None
+        self,
+        lanes: list[Lane],
+        *,
+        clock: Clock,
+        on_event: Callable[..., None] | None = None,
+        left_out: Sequence[EndpointUse] = (),
     ) -> None:
         self.lanes = lanes
+        self.left_out = tuple(left_out)  # endpoints left out at start: named, never sent to
         self.only = lanes[0] if len(lanes) == 1 else None  # one endpoint: the fast path
         self.clock = clock
         self.grace = lanes[0].outage.grace
@@ -389,7 +395,7 @@ class Fleet:
         self._wake_all()  # waiters for its slots look at the others (a fallback, say)
 
     def uses(self) -> list[EndpointUse]:
-        return [lane.use() for lane in self.lanes]
+        return [*(lane.use() for lane in self.lanes), *self.left_out]
 
     def describe(self) -> dict[str, Any]:
         """Per endpoint, for the worker's row (what `status` shows)."""

@@ -319,6 +319,7 @@ async def run_job(
                 progress=progress,
                 rules=rules,
                 settings=settings,
+                left_out=out,
             )
             try:
                 async with anyio.create_task_group() as tg:
@@ -326,7 +327,6 @@ async def run_job(
                         tg.start_soon(_stop_on_signals, runner)
                     stats = await runner.run()
                     stats.reused, stats.duplicates = reused, waiting
-                    stats.endpoints += out
                     tg.cancel_scope.cancel()
             except BaseExceptionGroup as group:
                 raise single_error(group) from None

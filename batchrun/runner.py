@@ -18,6 +18,7 @@ import math
 import time
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -33,7 +34,7 @@ from batchrun.errors import (
 )
 from batchrun.feeder import Feeder
 from batchrun.fleet import Fleet
-from batchrun.lanes import Lane, Route
+from batchrun.lanes import EndpointUse, Lane, Route
 from batchrun.ledger import ClaimedItem, ItemResult, Ledger
 from batchrun.ledger_calls import LedgerCalls
 from batchrun.progress import JobLog, Progress
@@ -62,6 +63,7 @@ class Runner:
         progress: Progress | None = None,
         rules: OutputRules | None = None,
         settings: RunnerSettings | None = None,
+        left_out: Sequence[EndpointUse] = (),
     ) -> None:
         self.ledger = ledger
         self.routes = routes
@@ -78,6 +80,7 @@ class Runner:
             [self._lane(route) for route in routes],
             clock=self.settings.clock,
             on_event=self._endpoint_event,
+            left_out=left_out,
         )
         self._db = LedgerCalls(
             self.settings,
@@ -249,8 +252,8 @@ class Runner:
             self.log.event("server_metrics", available=False, endpoint=lane.name)
 
     def _endpoints(self) -> dict[str, Any] | None:
-        """Per endpoint, for `status`, with several."""
-        return None if self.fleet.only else self.fleet.describe()
+        """Per endpoint, for `status`, with several (one left out at start counts)."""
+        return None if self.fleet.only and not self.fleet.left_out else self.fleet.describe()
 
     def _endpoint_event(self, name: str, **fields: Any) -> None:
         self.log.event(name, **fields)

@@ -217,8 +217,9 @@ class Sender:
             self.log.event("guided_refused", error=error)
 
     def _named(self, lane: Lane) -> str | None:
-        """The endpoint a result records: named with several (one needs no name)."""
-        return None if self.fleet.only else lane.name
+        """The endpoint a result records: named with several, one left out at the start
+        included (one needs no name)."""
+        return None if self.fleet.only and not self.fleet.left_out else lane.name
 
     def _body(self, body: dict[str, Any], lane: Lane, item: ClaimedItem) -> dict[str, Any]:
         """The request's body for `lane`: its model, with several endpoints."""

@@ -209,6 +209,12 @@ async def test_an_endpoint_left_out_at_start_is_in_the_summary_with_its_reason(
     assert uses["b"].state == "out" and "401" in uses["b"].reason and uses["b"].answered == 0
     said = summary_line(report(ledger.counts("j"), stats))
     assert "endpoints: a 40 answered, b 0 answered (out: " in said
+    job = ledger.get_job("j")
+    assert job is not None
+    text = render_detail(job_detail(ledger, job))  # `status` names it too
+    assert "endpoint   a: up, 40 done" in text and "endpoint   b: out (" in text
+    assert "401" in text
+    assert answered_by(ledger) == Counter({"a": 40})  # a job of several names who answered
 
 
 @pytest.mark.anyio
