@@ -76,3 +76,38 @@ def test_a_wrong_key_takes_one_endpoint_out(
     assert "locked 0 answered (out: " in got.stderr.splitlines()[-1]
     assert "wrong-key" not in got.stderr + got.stdout
     assert Counter(r["answered_by"] for r in cli.output("k")) == {"open": 100}
+
+
+def test_an_endpoint_with_a_wrong_path_is_drained_not_sent_every_line(
+    cli: CLI, tmp_path: Path
+) -> None:
+    # Every line names its model, so a 404 could be the line's own (a model that endpoint
+    # lacks) and takes nothing out; but an endpoint that 404s what another answers is drained.
+    good = start_sim("--port", "0", *SLOW)
+    wrong = start_sim("--port", "0", *SLOW)
+    try:
+        inp = tmp_path / "in.jsonl"
+        write_prompts(inp, 200, extra=lambda i: {"model": "sim-1"})
+        wrong_path = wrong[1].removesuffix("/v1") + "/v2"  # a typo in the endpoint's URL
+        got = cli.run(
+            "submit",
+            str(inp),
+            "--job",
+            "w",
+            f"--endpoint=good={good[1]}",
+            f"--endpoint=typo={wrong_path},model=sim-1",
+            "--max-attempts",
+            "1",
+        )
+    finally:
+        for proc, _url in (good, wrong):
+            proc.kill()
+            proc.wait()
+    assert got.returncode == 0, got.stderr
+    assert "endpoint typo down: refused 4 lines in a row" in got.stderr
+    records = cli.output("w")
+    assert [r["status"] for r in records] == ["done"] * 200
+    assert Counter(r["answered_by"] for r in records) == {"good": 200}
+    status = json.loads(cli.run("status", "w", "--json").stdout)
+    shown = {e["name"]: e for e in status["endpoints"]}
+    assert shown["typo"]["state"] == "down" and 4 <= shown["typo"]["errors"] <= 40
