@@ -163,13 +163,20 @@ class Fleet:
                     self._waiters.remove(waiter)
 
     def _refusers(self, key: Hashable) -> Collection[Lane]:
-        """The lanes an item is kept from: those that refused it, unless every other lane has
-        left the job since (then it goes to one that refused it, and fails there)."""
+        """The lanes an item is kept from: those that refused it, unless no other lane may
+        answer it any more (then it goes to one that refused it, and fails there unless it
+        answers: refused)."""
         refused = self._refused.get(key, ())
-        if refused and all(lane.state == "out" for lane in self.lanes if lane not in refused):
-            del self._refused[key]
-            return ()
-        return refused
+        others = [lane for lane in self.lanes if lane not in refused]
+        return refused if any(map(self._may_answer, others)) else ()
+
+    def _may_answer(self, lane: Lane) -> bool:
+        """Whether a line not refused by `lane` may be sent to it, now or later: it is up,
+        drained for refusing other lines (reachable), or down for an outage that may yet end
+        (outages handled, not past the grace)."""
+        if lane.state == "up" or (lane.state == "down" and lane.refusing):
+            return True
+        return lane.state == "down" and self.grace > 0 and not self._lost(lane, self.clock())
 
     def _take(self, group: int | None, refused: Collection[Lane]) -> Lane | None:
         now = self.clock()
@@ -181,10 +188,13 @@ class Fleet:
                 self._on_event("endpoint_probe", endpoint=lane.name)
                 return lane
         up = [lane for lane in lanes if lane.state == "up"]
-        if not up and (self.grace <= 0 or all(lane.refusing for lane in self._live())):
-            # nothing to wait for: outages are not handled, or the lanes left are reachable
-            # and only refuse lines (sent to, each line fails or is answered, as with one)
-            up = [lane for lane in lanes if lane.state == "down"]
+        if not up:  # drained lanes, sent to as if up when there is nothing to wait for:
+            down = [lane for lane in lanes if lane.state == "down"]
+            waited = [lane for lane in down if not lane.refusing and self._may_answer(lane)]
+            if self.grace <= 0:  # outages not handled
+                up = down
+            elif not waited:  # the lanes left for it only refuse (other) lines: reachable
+                up = [lane for lane in down if lane.refusing]
         if any(lane.route.weight > 0 for lane in up):  # weight 0: a fallback
             up = [lane for lane in up if lane.route.weight > 0]
         preferred = self._affinity.get(group) if group is not None else None
@@ -278,6 +288,8 @@ class Fleet:
             return free
         if lane.state == "up" and lane.outage.unreachable:
             self._down(lane)
+        elif lane.refusing and lane.outage.unreachable:  # drained for refusing, and now gone
+            lane.refusing, lane.reason = False, lane.outage.last_error
         if free:
             return True
         if not _endpoint_failure(exc) or lane.outage.suspect(key):
@@ -351,18 +363,16 @@ class Fleet:
     def refused(self, lane: Lane, key: Hashable, error: RequestError) -> bool:
         """`lane` refused the item's request (a 400; a 404 to a model or API the line asked for
         itself): the item's fault or that lane's, not the job's. True while a lane that has not
-        refused it is up: the request goes there, free (else an endpoint that refuses at once,
-        always the least busy, would fail the items a healthy one could answer). False: every
-        lane that is up refused it, and it fails (a lane that is down may stay down: the item
-        would wait for it for ever), unless `lane` was drained for refusing lines that others
-        answer (success) and this was its probe: then the item waits for a lane that is down
-        for an outage, as the job does (check), and stops with it past the grace."""
+        refused it may answer it (_may_answer): the request goes there, free, or waits for it
+        (else an endpoint that refuses at once, always the least busy, would fail the items a
+        healthy one could answer). False: none may, and it fails; a lane down for an outage is
+        waited for only until the grace is past, so no item waits for ever. A lane that refuses
+        line after line that others answer is drained (success)."""
         lane.errors += 1
         lane.refusal = str(error)
         tried = self._refused.setdefault(key, set())
         tried.add(lane)
-        waits = ("up", "down") if lane.refusing and self.grace > 0 else ("up",)
-        if any(o.state in waits and not o.refusing and o not in tried for o in self.lanes):
+        if any(self._may_answer(other) for other in self.lanes if other not in tried):
             return True
         del self._refused[key]
         return False

@@ -89,6 +89,23 @@ async def run(
     return ledger, stats
 
 
+async def run_real(
+    tmp_path: Path, transport: Hosts, rows: list[dict[str, Any]], **options: Any
+) -> tuple[Ledger, RunStats]:
+    """`run` on the real clock: probes come due, and the outage grace passes."""
+    home = Home.at(tmp_path, None)
+    ledger = Ledger(home.ledger_url)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = resolve({"concurrency": 2, "max_attempts": 3, "model": "sim-1", **options})
+    jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
+    settings = RunnerSettings(drain_timeout=0.0)
+    with anyio.fail_after(30):  # a hang fails the test
+        stats = await jobs.run_job(
+            ledger, home, "j", spec, transport=transport, settings=settings, handle_signals=False
+        )
+    return ledger, stats
+
+
 def read_results(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -159,8 +176,8 @@ async def test_a_dead_endpoint_comes_back_after_a_probe(tmp_path: Path) -> None:
 class SlowSim(SimTransport):
     """A simulator whose every answer takes 0.05 s of the fake clock."""
 
-    def __init__(self, fake: FakeTime) -> None:
-        super().__init__(SimModel())
+    def __init__(self, fake: FakeTime, config: SimConfig | None = None) -> None:
+        super().__init__(SimModel(config or SimConfig()))
         self.fake = fake
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -784,3 +801,89 @@ async def test_lines_refused_by_one_endpoint_wait_for_another_one_down_not_fail(
     uses = {u.name: u for u in stats.endpoints}
     assert uses["a"].state == "down" and "refused" in uses["a"].reason
     assert hosts.posts["a.test"] > 1  # probed while b was down: a refusal made it wait
+
+
+# Found by a hostile review of the draining of refusing endpoints (the first two were faults of
+# it; the third is older: a line waited for ever for an endpoint that had died).
+
+
+@pytest.mark.anyio
+async def test_lines_only_an_endpoint_drained_for_refusing_serves_go_to_it(
+    tmp_path: Path,
+) -> None:
+    # The first 20 lines ask m-b (a 404s them, b answers: a is drained for refusing); the
+    # next 20 ask m-a, which only a serves: b 404s them, and they go to a, reachable.
+    fake = FakeTime()
+    a = SimConfig(models=("m-a",), strict_models=True)
+    b = SimConfig(models=("m-b",), strict_models=True)
+    hosts = Hosts({"a.test": a, "b.test": b})
+    hosts.sims["b.test"] = SlowSim(fake, b)
+    rows = [
+        {"id": f"p{i}", "prompt": f"prompt number {i}", "model": "m-b" if i < 20 else "m-a"}
+        for i in range(40)
+    ]
+    ends = ["a=http://a.test/v1,model=m-a", "b=http://b.test/v1,model=m-b"]
+    with anyio.fail_after(30):
+        ledger, stats = await run(
+            tmp_path, hosts, lines=rows, fake=fake, model=None, endpoints=ends
+        )
+    assert stats.aborted is None and ledger.counts("j")["done"] == 40  # before: 7 failed
+    assert answered_by(ledger) == Counter({"a": 20, "b": 20})
+
+
+@pytest.mark.anyio
+async def test_an_endpoint_drained_for_refusing_that_then_dies_stops_the_job(
+    tmp_path: Path,
+) -> None:
+    # `a` refuses what b answers (drained), b's key is revoked (out), and a, all that is
+    # left, is sent to until its server dies: an outage like any other, past the grace the
+    # job stops (before: it went on for ever, each failure free).
+    revoked: list[bool] = []
+
+    def refuses_then_dies(request: httpx.Request, n: int) -> httpx.Response | None:
+        if not revoked:
+            return httpx.Response(400, json={"error": {"message": "maximum context 4096"}})
+        return refused(request)
+
+    def revoked_later(request: httpx.Request, n: int) -> httpx.Response | None:
+        if n > 12:
+            revoked.append(True)
+            return httpx.Response(401, json={"error": {"message": "invalid api key"}})
+        return None
+
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()})
+    hosts.hooks = {"a.test": refuses_then_dies, "b.test": revoked_later}
+    rows = [{"id": f"p{i}", "prompt": f"prompt number {i}"} for i in range(40)]
+    ledger, stats = await run_real(
+        tmp_path, hosts, rows, endpoints=endpoints("a", "b"), outage_timeout=0.5
+    )
+    assert stats.aborted is not None and "every endpoint unreachable" in stats.aborted
+    assert ledger.counts("j")["failed"] == 0
+
+
+@pytest.mark.anyio
+async def test_a_refused_line_waits_for_a_dead_endpoint_only_until_the_grace_is_past(
+    tmp_path: Path,
+) -> None:
+    # `a` refuses line x (too long for it) and answers the rest; `b`, which could take x,
+    # dies for good. x waits for b through the grace, then fails; the job ends.
+    def too_long_for_a(request: httpx.Request, n: int) -> httpx.Response | None:
+        if b"LONG" in request.content:
+            return httpx.Response(400, json={"error": {"message": "maximum context 4096"}})
+        return None
+
+    def dies(request: httpx.Request, n: int) -> httpx.Response | None:
+        return refused(request) if n > 4 or b"LONG" in request.content else None
+
+    hosts = Hosts({"a.test": SimConfig(), "b.test": SimConfig()})
+    hosts.hooks = {"a.test": too_long_for_a, "b.test": dies}
+    rows = [{"id": "x", "prompt": "LONG prompt"}]
+    rows += [{"id": f"p{i}", "prompt": f"prompt number {i}"} for i in range(40)]
+    ledger, stats = await run_real(
+        tmp_path, hosts, rows, endpoints=endpoints("a", "b"), outage_timeout=0.5
+    )
+    assert stats.aborted is None
+    counts = ledger.counts("j")
+    assert counts["done"] == 40 and counts["failed"] == 1
+    failed = [item for item in ledger.iter_results("j") if item.status == "failed"]
+    assert failed[0].item_id == "x" and "maximum context" in (failed[0].error or "")
