@@ -66,6 +66,7 @@ class Rerouted(TransientError):
 @dataclass(eq=False)
 class _Waiter:
     group: int | None
+    key: Hashable = None  # its item
     event: anyio.Event = field(default_factory=anyio.Event)
 
 
@@ -147,7 +148,7 @@ class Fleet:
                 if group is not None:
                     self._remember(group, lane)
                 return lane
-            waiter = _Waiter(group)
+            waiter = _Waiter(group, key)
             if came:
                 self._waiters.append(waiter)
             else:  # woken and beaten to the slot: still first in turn
@@ -167,8 +168,8 @@ class Fleet:
         answer it any more (then it goes to one that refused it, and fails there unless it
         answers: refused)."""
         refused = self._refused.get(key, ())
-        others = [lane for lane in self.lanes if lane not in refused]
-        return refused if any(map(self._may_answer, others)) else ()
+        others = (lane for lane in self.lanes if lane not in refused)
+        return refused if not refused or any(map(self._may_answer, others)) else ()
 
     def _may_answer(self, lane: Lane) -> bool:
         """Whether a line not refused by `lane` may be sent to it, now or later: it is up,
@@ -206,24 +207,30 @@ class Fleet:
         return None
 
     def _until_due(self) -> float | None:
-        """How long a waiter may sleep: until the next probe is due (and the outage grace
-        is looked at again); None while no lane is down."""
-        due = [lane.probe_at for lane in self.lanes if lane.state == "down" and lane.probe is None]
-        if not due:
-            return None
-        return max(0.01, min(min(due) - self.clock(), PROBE_FIRST_S))
+        """How long a waiter may sleep: until the next probe is due, and at most a second
+        while a lane is down (the outage grace is looked at again: a line waiting for that
+        lane may have to go elsewhere, and no slot coming free may wake it); None while no
+        lane is down."""
+        down = [lane for lane in self.lanes if lane.state == "down"]
+        now = self.clock()
+        due = [lane.probe_at - now for lane in down if lane.probe is None]
+        return max(0.01, min([*due, PROBE_FIRST_S])) if down else None
 
     def _room(self, lane: Lane) -> None:
-        """A slot came free on `lane` (or its limit rose): wake one waiter, the first whose
-        prefix group belongs to that lane if one is near the front."""
-        if not self._waiters:
-            return
-        for i, waiter in enumerate(islice(self._waiters, WAKE_SCAN)):
+        """A slot came free on `lane` (or its limit rose): wake one waiter that may take it,
+        the first whose prefix group belongs to that lane if one is near the front. (A line
+        that `lane` refused would take the wake-up and wait on, and `lane` would stand idle.)"""
+        able = (waiter for waiter in self._waiters if lane not in self._refusers(waiter.key))
+        first = None
+        for waiter in islice(able, WAKE_SCAN):
+            first = first or waiter
             if waiter.group is not None and self._affinity.get(waiter.group) is lane:
-                del self._waiters[i]
                 break
         else:
-            waiter = self._waiters.popleft()
+            if first is None:
+                return
+            waiter = first
+        self._waiters.remove(waiter)
         self._wake(waiter)
 
     def _wake_all(self) -> None:

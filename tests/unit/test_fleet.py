@@ -8,25 +8,30 @@ import json
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import httpx
 import pytest
+from anyio import wait_all_tasks_blocked
 
 from batchrun import jobs
+from batchrun.backends import Backend
 from batchrun.cli_report import summary_line
 from batchrun.config import resolve
 from batchrun.endpoints import parse_endpoint, parse_endpoints
-from batchrun.errors import UsageError
+from batchrun.errors import BadRequest, UsageError
+from batchrun.fleet import Fleet
 from batchrun.jobs import Home
-from batchrun.lanes import Route
+from batchrun.lanes import Lane, Route
 from batchrun.ledger import Ledger
 from batchrun.prefixes import PREFIX_CHARS, Grouper, prefix_key
+from batchrun.retrying import OutageWatch
 from batchrun.routes import by_prefix, opened_routes
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.sim import SimConfig, SimModel, SimTransport
 from batchrun.status_view import job_detail, render_detail
+from batchrun.throttle import Throttle
 from tests.fakes import FakeTime
 from tests.unit.test_runner import report
 
@@ -887,3 +892,42 @@ async def test_a_refused_line_waits_for_a_dead_endpoint_only_until_the_grace_is_
     assert counts["done"] == 40 and counts["failed"] == 1
     failed = [item for item in ledger.iter_results("j") if item.status == "failed"]
     assert failed[0].item_id == "x" and "maximum context" in (failed[0].error or "")
+
+
+@pytest.mark.anyio
+async def test_a_slot_freed_wakes_a_line_that_may_take_it() -> None:
+    # Found by a second review: `a` refused line x, which waits for `b`, full. A slot freed
+    # on `a` woke x, the first waiter; x could not take it and went back to the front, and
+    # the line behind it was never woken: `a` stood idle while lines waited for it.
+    fake = FakeTime()
+    spec = resolve({"backend": "sim", "concurrency": 1, "model": "sim-1"})
+
+    def lane(name: str) -> Lane:
+        throttle = Throttle.for_pacing(spec.pacing, clock=fake.clock, sleep=fake.sleep)
+        backend = cast(Backend, None)  # never called: the fleet only places requests
+        return Lane(Route(name, spec, backend), throttle, OutageWatch(60, clock=fake.clock), "")
+
+    async def free(lane: Lane) -> None:  # a request on it ends: its slot comes free
+        async with lane.throttle.slot(1, taken=True):
+            pass
+
+    a, b = lane("a"), lane("b")
+    fleet = Fleet([a, b], clock=fake.clock)
+    assert await fleet.pick("k0") is a and await fleet.pick("k1") is b  # both full
+    assert fleet.refused(a, "x", BadRequest("maximum context 4096", status=400))
+    got: dict[str, Lane] = {}
+
+    async def pick(key: str) -> None:
+        got[key] = await fleet.pick(key)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pick, "x")
+            await wait_all_tasks_blocked()
+            tg.start_soon(pick, "y")  # behind x
+            await wait_all_tasks_blocked()
+            await free(a)
+            await wait_all_tasks_blocked()
+            assert got == {"y": a}  # before: {} (x took the wake-up and kept waiting)
+            await free(b)
+    assert got == {"y": a, "x": b}
