@@ -279,7 +279,7 @@ class Fleet:
         lane.outage.success(key, sent)
         lane.answered += 1
         lane.refusals = 0
-        for refuser in self._refused.pop(key, ()):  # another lane answered what it refused
+        for refuser in self._refused.pop(key, set()) - {lane}:  # another answered what it refused
             refuser.refusals += 1
             if refuser.refusals >= REFUSALS_TO_DRAIN and refuser.state == "up":
                 self._down(refuser, refusing=True)

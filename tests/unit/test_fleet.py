@@ -20,7 +20,7 @@ from batchrun.backends import Backend
 from batchrun.cli_report import summary_line
 from batchrun.config import resolve
 from batchrun.endpoints import parse_endpoint, parse_endpoints
-from batchrun.errors import BadRequest, UsageError
+from batchrun.errors import AuthFailed, BadRequest, UsageError
 from batchrun.fleet import Fleet
 from batchrun.jobs import Home
 from batchrun.lanes import Lane, Route
@@ -894,11 +894,8 @@ async def test_a_refused_line_waits_for_a_dead_endpoint_only_until_the_grace_is_
     assert failed[0].item_id == "x" and "maximum context" in (failed[0].error or "")
 
 
-@pytest.mark.anyio
-async def test_a_slot_freed_wakes_a_line_that_may_take_it() -> None:
-    # Found by a second review: `a` refused line x, which waits for `b`, full. A slot freed
-    # on `a` woke x, the first waiter; x could not take it and went back to the front, and
-    # the line behind it was never woken: `a` stood idle while lines waited for it.
+def bare_fleet(*names: str) -> Fleet:
+    """A fleet of lanes of one slot each on the fake clock, for its placing rules alone."""
     fake = FakeTime()
     spec = resolve({"backend": "sim", "concurrency": 1, "model": "sim-1"})
 
@@ -907,12 +904,22 @@ async def test_a_slot_freed_wakes_a_line_that_may_take_it() -> None:
         backend = cast(Backend, None)  # never called: the fleet only places requests
         return Lane(Route(name, spec, backend), throttle, OutageWatch(60, clock=fake.clock), "")
 
-    async def free(lane: Lane) -> None:  # a request on it ends: its slot comes free
-        async with lane.throttle.slot(1, taken=True):
-            pass
+    return Fleet([lane(name) for name in names], clock=fake.clock)
 
-    a, b = lane("a"), lane("b")
-    fleet = Fleet([a, b], clock=fake.clock)
+
+async def free(lane: Lane) -> None:
+    """A request on `lane` ends: its slot comes free."""
+    async with lane.throttle.slot(1, taken=True):
+        pass
+
+
+@pytest.mark.anyio
+async def test_a_slot_freed_wakes_a_line_that_may_take_it() -> None:
+    # Found by a second review: `a` refused line x, which waits for `b`, full. A slot freed
+    # on `a` woke x, the first waiter; x could not take it and went back to the front, and
+    # the line behind it was never woken: `a` stood idle while lines waited for it.
+    fleet = bare_fleet("a", "b")
+    a, b = fleet.lanes
     assert await fleet.pick("k0") is a and await fleet.pick("k1") is b  # both full
     assert fleet.refused(a, "x", BadRequest("maximum context 4096", status=400))
     got: dict[str, Lane] = {}
@@ -931,3 +938,23 @@ async def test_a_slot_freed_wakes_a_line_that_may_take_it() -> None:
             assert got == {"y": a}  # before: {} (x took the wake-up and kept waiting)
             await free(b)
     assert got == {"y": a, "x": b}
+
+
+@pytest.mark.anyio
+async def test_a_line_an_endpoint_refused_and_then_answered_is_not_held_against_it() -> None:
+    fleet = bare_fleet("a", "b")
+    a, b = fleet.lanes
+    assert await fleet.pick("x") is a
+    assert fleet.refused(a, "x", BadRequest("maximum context 4096", status=400))
+    await free(a)
+    assert await fleet.pick("x") is b  # kept from the lane that refused it
+    await free(b)
+    fleet.success("x")  # answered elsewhere: one against `a`
+    assert a.refusals == 1
+    assert await fleet.pick("y") is a
+    assert fleet.refused(a, "y", BadRequest("maximum context 4096", status=400))
+    await free(a)
+    assert fleet.take_out(b, AuthFailed("invalid api key", status=401))
+    assert await fleet.pick("y") is a  # nowhere else to go: back to `a`, which answers it
+    fleet.success("y")
+    assert a.refusals == 0  # its own answer (before: 1, as if another had answered it)
