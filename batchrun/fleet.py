@@ -220,7 +220,8 @@ class Fleet:
         """A slot came free on `lane` (or its limit rose): wake one waiter that may take it,
         the first whose prefix group belongs to that lane if one is near the front. (A line
         that `lane` refused would take the wake-up and wait on, and `lane` would stand idle.)"""
-        able = (waiter for waiter in self._waiters if lane not in self._refusers(waiter.key))
+        waiters, refusers = self._waiters, self._refusers
+        able = (w for w in waiters if lane not in refusers(w.key)) if self._refused else waiters
         first = None
         for waiter in islice(able, WAKE_SCAN):
             first = first or waiter

@@ -5,6 +5,7 @@ endpoint with a wrong key taken out while the others finish the job."""
 from __future__ import annotations
 
 import json
+import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -16,6 +17,12 @@ from tests.integration.helpers import CLI, start_sim, write_prompts
 pytestmark = pytest.mark.integration
 
 SLOW = ("--ttft-ms", "20", "--tpot-ms", "2", "--slots", "8")  # ~100 ms a request
+
+
+def stop(*servers: tuple[subprocess.Popen[str], str]) -> None:
+    for proc, _url in servers:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_killed_endpoint_hands_its_work_to_the_others(cli: CLI, tmp_path: Path) -> None:
@@ -34,9 +41,7 @@ def test_a_killed_endpoint_hands_its_work_to_the_others(cli: CLI, tmp_path: Path
         _out, err = job.communicate(timeout=120)
         assert job.returncode == 0, err
     finally:
-        for proc, _url in servers.values():
-            proc.kill()
-            proc.wait()
+        stop(*servers.values())
     records = cli.output("j")
     assert [r["status"] for r in records] == ["done"] * 600
     assert [r["id"] for r in records] == [f"item-{i}" for i in range(600)]
@@ -68,9 +73,7 @@ def test_a_wrong_key_takes_one_endpoint_out(
             env={"WRONG_KEY": "wrong-key-654321"},
         )
     finally:
-        for proc, _url in (good, locked):
-            proc.kill()
-            proc.wait()
+        stop(good, locked)
     assert got.returncode == 0, got.stderr
     assert "endpoint locked out" in got.stderr
     assert "locked 0 answered (out: " in got.stderr.splitlines()[-1]
@@ -100,9 +103,7 @@ def test_an_endpoint_with_a_wrong_path_is_drained_not_sent_every_line(
             "1",
         )
     finally:
-        for proc, _url in (good, wrong):
-            proc.kill()
-            proc.wait()
+        stop(good, wrong)
     assert got.returncode == 0, got.stderr
     assert "endpoint typo down: refused 4 lines in a row" in got.stderr
     records = cli.output("w")
