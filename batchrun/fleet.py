@@ -280,7 +280,8 @@ class Fleet:
         lane.outage.success(key, sent)
         lane.answered += 1
         lane.refusals = 0
-        for refuser in self._refused.pop(key, set()) - {lane}:  # another answered what it refused
+        refusers = self._refused.pop(key, None)  # none with one endpoint: nothing to do
+        for refuser in refusers - {lane} if refusers else ():  # another answered what it refused
             refuser.refusals += 1
             if refuser.refusals >= REFUSALS_TO_DRAIN and refuser.state == "up":
                 self._down(refuser, refusing=True)
@@ -331,7 +332,7 @@ class Fleet:
         if self.only is not None:
             self.only.outage.check()
             return
-        live = self._live()
+        live = [lane for lane in self.lanes if lane.state != "out"]
         if not live:
             assert self._out_error is not None
             raise self._out_error
@@ -348,9 +349,6 @@ class Fleet:
             raise EndpointDown(
                 f"every endpoint unreachable for over {self.grace:g}s; last errors: {errors}"
             )
-
-    def _live(self) -> list[Lane]:
-        return [lane for lane in self.lanes if lane.state != "out"]
 
     def _lost(self, lane: Lane, now: float) -> bool:
         """Down for an outage, past the grace period."""
