@@ -258,11 +258,12 @@ class Fleet:
         """A request on `lane` ended (before the retry policy hears of it). Any answer from
         the server, an error status too, says it is reachable: a lane that was down is up
         again. A probe that failed to reach it comes due again later, twice as late."""
+        answered = isinstance(error, RequestError) and not _endpoint_failure(error)
+        if answered:  # an error status: an outage, if one follows, starts after it
+            lane.outage.reached()
         if self.only is not None:
             return
-        reached = error is None or (
-            not lane.refusing and isinstance(error, RequestError) and not _endpoint_failure(error)
-        )
+        reached = error is None or (answered and not lane.refusing)
         if reached and lane.state == "down":
             lane.state, lane.reason, lane.probe, lane.refusing = "up", "", None, False
             self._on_event("endpoint_up", endpoint=lane.name)

@@ -86,6 +86,15 @@ class OutageWatch:
             self.down_since = now
         return self.down
 
+    def reached(self) -> None:
+        """The endpoint answered, with an error of the request's own (a 400, a 429): it was
+        reachable, so an outage that follows starts at its own first failure. (Else a server
+        that answered nothing but errors since one failed request, then died, was past the
+        grace at once.) An outage already seen stands: a broken server that answers some
+        requests with errors and the rest not at all still stops the job after the grace."""
+        if not self.unreachable:
+            self.down_since = None
+
     def suspect(self, key: Hashable) -> bool:
         """Whether `key` kept failing while other requests were answered (its own fault)."""
         return key in self._suspects

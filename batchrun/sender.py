@@ -114,7 +114,11 @@ class Sender:
             tries += 1
             guided = plan.guided
             if fleet.only is not None:
-                return await send(fleet.only)
+                try:
+                    return await send(fleet.only)
+                except RequestError as exc:
+                    fleet.ended(fleet.only, item.line, exc)
+                    raise
             lane = await fleet.pick(item.line, item.group)
             try:
                 completion = await send(lane)

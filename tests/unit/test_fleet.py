@@ -279,6 +279,40 @@ async def test_the_job_stops_only_when_every_endpoint_is_down_past_the_grace(
     assert ledger.counts("j")["pending"] == 20  # nothing failed, nothing lost
 
 
+def blip_errors_then_restart(fake: FakeTime, restart_s: float) -> Hook:
+    """A server whose first request fails to connect, whose next ten get a 400 ten seconds
+    apart, and which then restarts: it refuses connections for `restart_s`, then answers."""
+    back_at: list[float] = []
+
+    def hook(request: httpx.Request, n: int) -> httpx.Response | None:
+        if n == 1:
+            return refused(request)
+        if n <= 11:
+            fake.now += 10.0
+            return httpx.Response(400, json={"error": {"message": "context length exceeded"}})
+        if not back_at:
+            back_at.append(fake.now + restart_s)
+        return refused(request) if fake.now < back_at[0] else None
+
+    return hook
+
+
+@pytest.mark.anyio
+async def test_a_restart_after_a_stretch_of_error_answers_gets_the_whole_grace(
+    tmp_path: Path,
+) -> None:
+    # 100 s of 400s since the one failed request: the server was reachable all that time, so
+    # its restart (30 s, within the 60 s grace) is an outage of 30 s, not of 130 s
+    fake = FakeTime()
+    hosts = Hosts({"a.test": SimConfig()}, {"a.test": blip_errors_then_restart(fake, 30.0)})
+    ledger, stats = await run(
+        tmp_path, hosts, fake=fake, max_attempts=3, outage_timeout=60.0, base_url="http://a.test/v1"
+    )
+    assert stats.aborted is None
+    counts = ledger.counts("j")
+    assert counts["pending"] == 0 and counts["done"] >= 28  # 10 lines failed with a 400
+
+
 @pytest.mark.anyio
 async def test_a_fallback_of_weight_0_is_sent_to_only_while_the_others_are_down(
     tmp_path: Path,

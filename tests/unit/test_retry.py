@@ -297,6 +297,21 @@ def test_success_restarts_clock() -> None:
         watch.check()
 
 
+def test_an_error_answer_moves_the_start_of_an_outage_that_follows() -> None:
+    clock = FakeTime(start=0.0)
+    watch = OutageWatch(60.0, clock=clock)
+    watch.failure(ConnectionFailed("blip"), key=1)
+    clock.now = 90.0
+    watch.reached()  # a 400 answered: the server was there at 90 s
+    clock.now = 100.0
+    watch.failure(ConnectionFailed("restarting"), key=2)
+    assert watch.down and watch.down_since == 100.0
+    clock.now = 150.0
+    watch.check()  # 50 s into the outage, not 150
+    watch.reached()  # an error answer in an outage already seen: it stands
+    assert watch.down_since == 100.0
+
+
 # --- RetryPolicy during an outage --------------------------------------------------------
 
 
