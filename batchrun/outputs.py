@@ -164,7 +164,8 @@ class OutputFormat:
 # A new format is one entry here (and its record function above).
 FORMATS: dict[str, OutputFormat] = {
     "native": OutputFormat(".jsonl", native_record),
-    "openai": OutputFormat(".jsonl", openai_record),  # the OpenAI Batch API's output file
+    # the OpenAI Batch API's output file, beside the results file (never over it)
+    "openai": OutputFormat(".openai.jsonl", openai_record),
 }
 
 

@@ -263,3 +263,17 @@ def test_ctrl_c_stops_gracefully_then_reaches_the_caller(tmp_path: Path) -> None
     standing = batchrun.status("c", home=tmp_path)["counts"]
     assert standing["done"] >= sent[0] and standing["running"] == 0  # committed, released
     assert batchrun.resume("c", home=tmp_path, **SIM).ok
+
+
+def test_an_openai_export_goes_beside_the_results_file_not_over_it(tmp_path: Path) -> None:
+    report = batchrun.submit(rows(3), job="j", home=tmp_path, **SIM)
+    assert report.output is not None
+    before = report.output.read_bytes()
+    written = batchrun.export("j", fmt="openai", home=tmp_path)
+    assert written == tmp_path / "outputs" / "j.openai.jsonl"
+    assert report.output.read_bytes() == before
+    assert [json.loads(line)["custom_id"] for line in written.read_text().splitlines()] == [
+        "r1",
+        "r2",
+        "r3",
+    ]
