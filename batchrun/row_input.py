@@ -12,13 +12,12 @@ from typing import Any
 
 import orjson
 
+from batchrun.config import ANSWER_FIELDS
 from batchrun.errors import UsageError
 
-# Options that change what is asked: rows submitted again with other values are another job.
-REQUEST_SHAPING = (
-    *("backend", "base_url", "model", "endpoint"),
-    *("max_tokens", "temperature", "top_p", "schema"),
-)
+# Options that change what is asked, or of whom: rows submitted again with other values are
+# another job (`endpoints` names each endpoint's model; the simulator's options its answers).
+REQUEST_SHAPING = ("backend", "base_url", "endpoints", "sim_options", *ANSWER_FIELDS)
 
 
 def write_rows(

@@ -174,6 +174,17 @@ def test_the_same_rows_asked_another_way_are_another_job(tmp_path: Path) -> None
     assert other.job != first.job and other.stats.requests == 3
 
 
+def test_the_same_rows_asked_of_another_endpoints_model_are_another_job(tmp_path: Path) -> None:
+    sim = SIM["sim_options"]
+    alpha = ["a=http://sim.invalid/v1,backend=sim,model=alpha"]
+    beta = ["a=http://sim.invalid/v1,backend=sim,model=beta"]
+    first = batchrun.submit(rows(3), home=tmp_path, endpoints=alpha, sim_options=sim)
+    other = batchrun.submit(rows(3), home=tmp_path, endpoints=beta, sim_options=sim)
+    assert other.job != first.job and other.stats.requests == 3
+    again = batchrun.submit(rows(3), home=tmp_path, endpoints=beta, sim_options=sim)
+    assert again.job == other.job and again.stats.requests == 0
+
+
 @pytest.mark.parametrize(
     ("source", "message"),
     [
