@@ -105,7 +105,7 @@ def bench(ctx: click.Context, /, **o: Any) -> None:
     suite = select(suite, names, o["max_tokens"])
     plan = LoadPlan(_levels(o["concurrency"]), o["repeat"], o["warmup"], o["rate"], o["seed"])
     label = o["label"] or "+".join(e.name for e in endpoints)
-    folder = o["output"] or output_folder(ctx.obj.home.root / "outputs", label)
+    folder = o["output"] or output_folder(ctx.obj.home / "outputs", label)
     run = functools.partial(run_bench, label=label, guided=o["guided"], say=say, show=show)
     anyio.run(functools.partial(run, endpoints, suite, plan, folder, selftest=o["self_test"]))
 

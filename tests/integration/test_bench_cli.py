@@ -191,3 +191,14 @@ def test_bad_options_are_usage_errors(cli: CLI, tmp_path: Path) -> None:
     assert result.returncode == 2 and "nothing to measure" in result.stderr
     result = cli.run("bench", "compare", str(tmp_path), str(tmp_path))
     assert result.returncode == 2 and "no results.json" in result.stderr
+
+
+def test_without_o_a_run_goes_under_the_homes_outputs(
+    cli: CLI, sim_server: Callable[..., str]
+) -> None:
+    url = sim_server("--ttft-ms", "0", "--tpot-ms", "0")
+    args = ("--base-url", url, "--classes", "short", "--concurrency", "1", "--repeat", "2")
+    result = cli.run("bench", "--no-self-test", "--label", "here", *args, timeout=300)
+    assert result.returncode == 0, result.stderr
+    (folder,) = (cli.home / "outputs").glob("bench-here-*")
+    assert json.loads((folder / "results.json").read_text())["cells"]
