@@ -11,7 +11,6 @@ The names below are the whole public API; every module under batchrun/ is privat
 __version__ = "0.1.0"  # before the imports: modules below read it
 
 from batchrun.api import (
-    JobReport,
     cancel,
     export,
     list_jobs,
@@ -34,6 +33,7 @@ from batchrun.errors import (
 )
 from batchrun.outputs import Result
 from batchrun.progress import ProgressUpdate
+from batchrun.report import JobAborted, JobReport
 from batchrun.retention import GcReport, gc
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "FatalError",
     "GcReport",
     "InputError",
+    "JobAborted",
     "JobReport",
     "LedgerError",
     "OutputError",

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -32,6 +32,7 @@ from batchrun.jobs import Home
 from batchrun.ledger import IngestReport, Job, Ledger, left, shown_url
 from batchrun.outputs import FORMATS, Result, result_of
 from batchrun.progress import ProgressUpdate
+from batchrun.report import JobReport, checked
 from batchrun.row_input import write_rows
 from batchrun.run_state import RunStats
 from batchrun.status_view import job_detail, jobs_table
@@ -41,27 +42,6 @@ PathLike = str | os.PathLike[str]
 
 OnProgress = Callable[[ProgressUpdate], None]  # after each group commit
 OnMessage = Callable[[str], None]  # a line for the user: loaded, resuming, stopping...
-
-
-@dataclass(frozen=True)
-class JobReport:
-    """What a submit or resume did, and where the job stands."""
-
-    job: str
-    counts: dict[str, int]  # items by status: pending, running, done, failed, invalid, rejected
-    complete: bool  # no item left to send; the results file is written
-    output: Path | None  # the results file, once complete
-    loaded: int | None = None  # items this call loaded (None: the job was there already)
-    rejected: int = 0  # bad lines this call recorded as rejected (skip_invalid)
-    notes: tuple[str, ...] = ()  # things the caller should know (the input file changed...)
-    stats: RunStats = field(default_factory=RunStats)  # this run's requests, retries, tokens
-    workers: int = 1  # processes that worked on the job while this one ran (this one too)
-    preview: verbs.Preview | None = None  # with run=False: what a run would send and cost
-
-    @property
-    def ok(self) -> bool:
-        """Complete, with every line done."""
-        return self.complete and self.counts["done"] == sum(self.counts.values())
 
 
 # --- the verbs, async --------------------------------------------------------------------------
@@ -119,7 +99,7 @@ async def submit_async(
             return replace(standing, loaded=loaded, rejected=rejected or 0, preview=ahead)
         listen = _Listen(handle_signals, on_progress, on_message)
         report = await _run(led, where, name, run_spec, listen)
-    return replace(report, loaded=loaded, rejected=rejected or 0)
+    return checked(replace(report, loaded=loaded, rejected=rejected or 0))
 
 
 async def resume_async(
@@ -147,7 +127,7 @@ async def resume_async(
         run_spec = verbs.resolve_for_job(found, *_layers(spec, options))
         listen = _Listen(handle_signals, on_progress, on_message)
         report = await _run(led, where, found.name, run_spec, listen)
-    return replace(report, notes=(note, *report.notes) if note else report.notes)
+    return checked(replace(report, notes=(note, *report.notes) if note else report.notes))
 
 
 # --- the verbs, sync ---------------------------------------------------------------------------
@@ -222,6 +202,7 @@ def cancel(
         found = _job(led, where, job)
         spec = verbs.job_spec(found)
         run = functools.partial(batch_mode.cancel_batches, led, found.name, spec, forget=forget)
+        _no_running_loop("cancel")
         return anyio.run(run)
 
 
@@ -316,15 +297,9 @@ def _sync(call: Callable[..., Awaitable[JobReport]], options: Mapping[str, Any])
 def in_new_loop(call: Callable[..., Awaitable[JobReport]], options: Mapping[str, Any]) -> JobReport:
     """An async verb run to its end in a new event loop (the CLI's way too), stopping
     gracefully on Ctrl-C/SIGTERM from the main thread; the signal handlers are put back."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    else:
-        raise UsageError(
-            "called inside a running event loop (a notebook?): use "
-            "`await batchrun.submit_async(...)` or `await batchrun.resume_async(...)`"
-        )
+    _no_running_loop("submit")
+    if "handle_signals" in options:
+        raise UsageError("handle_signals is for the async verbs: the sync ones stop on signals")
     main = threading.current_thread() is threading.main_thread()
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
@@ -334,6 +309,20 @@ def in_new_loop(call: Callable[..., Awaitable[JobReport]], options: Mapping[str,
             if handler is not None:
                 signal.signal(signum, handler)
     return report
+
+
+def _no_running_loop(verb: str) -> None:
+    """The sync verbs start an event loop of their own: not inside one (a notebook's)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    hint = (
+        "call it from a thread, or run `batchrun cancel JOB`"
+        if verb == "cancel"
+        else "use `await batchrun.submit_async(...)` or `await batchrun.resume_async(...)`"
+    )
+    raise UsageError(f"called inside a running event loop (a notebook?): {hint}")
 
 
 def _home(home: PathLike, ledger: str | None) -> Home:

@@ -18,7 +18,7 @@ import orjson
 from batchrun import __version__, api, retention
 from batchrun.cli_bench import bench
 from batchrun.cli_errors import EXIT_ABORTED, errors_to_exit_codes, say, show
-from batchrun.cli_report import ProgressBar, exit_code, summary_line
+from batchrun.cli_report import ProgressBar, finish, ran
 from batchrun.cli_sim import sim
 from batchrun.config import resolve
 from batchrun.doctor import diagnose, ready, render
@@ -234,14 +234,6 @@ def _run_options(options: dict[str, Any]) -> dict[str, Any]:
     return given
 
 
-def _finish(report: api.JobReport, *, quiet: bool) -> None:
-    if quiet:  # the notes were not said as they came
-        for note in report.notes:
-            say(note)
-    say(summary_line(report))
-    sys.exit(exit_code(report))
-
-
 @main.command()
 @click.argument("input_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--job", "job_name", help="Job name [default: the input file's name].")
@@ -286,9 +278,9 @@ def submit(
             api.submit_async, input_path, job=job_name, run=not no_run, spec=spec_file
         )
         listen = {"on_progress": bar, "on_message": None if quiet else bar.say}
-        report = api.in_new_loop(call, {**listen, **ctx.where, **_run_options(options)})
+        report = ran(call, {**listen, **ctx.where, **_run_options(options)})
     if not no_run:
-        _finish(report, quiet=quiet)
+        finish(report, quiet=quiet)
 
 
 @main.command()
@@ -317,8 +309,8 @@ def resume(
             api.resume_async, job_name, allow_changed_input=allow_changed_input, spec=spec_file
         )
         listen = {"on_progress": bar, "on_message": None if quiet else bar.say}
-        report = api.in_new_loop(call, {**listen, **ctx.where, **_run_options(options)})
-    _finish(report, quiet=quiet)
+        report = ran(call, {**listen, **ctx.where, **_run_options(options)})
+    finish(report, quiet=quiet)
 
 
 @main.command()

@@ -4,11 +4,12 @@ drawn from the library's progress updates."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tqdm import tqdm
 
-from batchrun.api import JobReport
+from batchrun import api
 from batchrun.cli_errors import (
     EXIT_ABORTED,
     EXIT_INTERRUPTED,
@@ -21,6 +22,7 @@ from batchrun.lanes import EndpointUse
 from batchrun.ledger import FINAL_STATUSES
 from batchrun.ledger import left as open_items
 from batchrun.progress import ProgressUpdate
+from batchrun.report import JobAborted, JobReport
 
 
 def exit_code(report: JobReport) -> int:
@@ -131,3 +133,20 @@ class ProgressBar:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def ran(call: Callable[..., Awaitable[JobReport]], options: dict[str, Any]) -> JobReport:
+    """The report of a submit or resume, of one the endpoint stopped too (exit 3: finish)."""
+    try:
+        return api.in_new_loop(call, options)
+    except JobAborted as stopped:
+        return stopped.report
+
+
+def finish(report: JobReport, *, quiet: bool) -> None:
+    """The summary line, then the exit code."""
+    if quiet:  # the notes were not said as they came
+        for note in report.notes:
+            say(note)
+    say(summary_line(report))
+    sys.exit(exit_code(report))

@@ -288,3 +288,47 @@ def test_an_openai_export_goes_beside_the_results_file_not_over_it(tmp_path: Pat
         "r2",
         "r3",
     ]
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        pytest.param({"backend": "sim", "sim_options": {"api_key": "sk-other"}}, "401", id="key"),
+        pytest.param(
+            {"backend": "sim", "model": "nope", "sim_options": {"strict_models": True}},
+            "nope",
+            id="model",
+        ),
+        pytest.param(
+            {"base_url": "http://127.0.0.1:1/v1", "model": "m", "outage_timeout": 0.3},
+            "unreachable",
+            id="down",
+        ),
+    ],
+)
+def test_a_job_the_endpoint_stops_raises_with_its_report(
+    tmp_path: Path, options: dict[str, Any], said: str
+) -> None:
+    # a pipeline that never looks at `ok` must not carry on as if the job had run
+    with pytest.raises(batchrun.JobAborted, match=said) as stop:
+        batchrun.submit(rows(3), job="f", home=tmp_path, **options)
+    assert isinstance(stop.value, batchrun.FatalError)
+    report = stop.value.report
+    assert report.job == "f" and report.counts["pending"] == 3 and not report.ok
+    assert "3 item(s) left" in str(stop.value)
+    with pytest.raises(batchrun.JobAborted):
+        batchrun.resume("f", home=tmp_path)
+
+
+def test_the_sync_verbs_say_what_to_do_inside_a_running_loop_or_with_handle_signals(
+    tmp_path: Path,
+) -> None:
+    batchrun.submit(rows(1), job="j", home=tmp_path, **SIM)
+    with pytest.raises(batchrun.UsageError, match="handle_signals is for the async verbs"):
+        batchrun.submit(rows(1), job="j", home=tmp_path, handle_signals=True, **SIM)
+
+    async def inside() -> None:
+        batchrun.cancel("j", home=tmp_path)
+
+    with pytest.raises(batchrun.UsageError, match="inside a running event loop"):
+        anyio.run(inside)

@@ -131,6 +131,7 @@ def test_public_names_are_exactly_these() -> None:
             "FatalError",
             "GcReport",
             "InputError",
+            "JobAborted",
             "JobReport",
             "LedgerError",
             "OutputError",

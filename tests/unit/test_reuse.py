@@ -363,7 +363,9 @@ def test_a_job_gc_collected_is_never_run_or_exported_as_if_whole(tmp_path: Path)
     path.write_text("".join(json.dumps({"prompt": f"line {i}"}) + "\n" for i in range(8)))
     options: dict[str, Any] = {"home": tmp_path, "backend": "sim", "server_metrics": "off"}
     budget = {"max_tokens": 20, "max_total_tokens": 100}  # stops it with lines left pending
-    report = batchrun.submit(path, job="weekly", concurrency=1, **options, **budget)
+    with pytest.raises(batchrun.JobAborted, match="--max-total-tokens 100 reached") as stop:
+        batchrun.submit(path, job="weekly", concurrency=1, **options, **budget)
+    report = stop.value.report
     assert 0 < report.counts["done"] < 8
     ledger = Ledger(Home.at(tmp_path, None).ledger_url)
     age_jobs(ledger)

@@ -16,7 +16,6 @@ import pytest
 from sqlalchemy import text
 
 from batchrun import jobs, progress
-from batchrun.api import JobReport
 from batchrun.backends import OpenAICompatBackend
 from batchrun.cli_errors import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_SOME_FAILED
 from batchrun.cli_report import exit_code
@@ -26,6 +25,7 @@ from batchrun.jobs import Home
 from batchrun.lanes import Route
 from batchrun.ledger import ClaimedItem, Ledger
 from batchrun.progress import JobLog
+from batchrun.report import JobReport
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.runner import Runner
 from batchrun.sim import SimModel, SimTransport, prompt_tag
