@@ -22,7 +22,7 @@ from batchrun.cli_report import ProgressBar, finish, ran
 from batchrun.cli_sim import sim
 from batchrun.config import resolve
 from batchrun.doctor import diagnose, ready, render
-from batchrun.endpoints import is_endpoint
+from batchrun.endpoints import is_endpoint, shown_endpoint
 from batchrun.errors import UsageError
 from batchrun.outputs import FORMATS
 from batchrun.presets import PRESETS
@@ -399,7 +399,7 @@ def doctor(**options: Any) -> None:
     """Probe an endpoint: reachable, key, model, chat/completions, streaming, usage, JSON mode."""
     spec = resolve({k: v for k, v in options.items() if v is not None})
     named = "" if spec.backend == "custom" else f"{spec.backend} "  # custom: the URL alone
-    say(f"checking {named}at {spec.base_url} ...")
+    say(f"checking {named}at {shown_endpoint(spec.base_url)} ...")
     checks = anyio.run(diagnose, spec)
     show(render(checks))
     if not ready(checks):

@@ -14,6 +14,7 @@ from typing import Any
 from batchrun.backends import Backend, Completion, CompletionRequest, Transport
 from batchrun.backends.build import build_backend, metrics_reader
 from batchrun.config import RunSpec, preset_for
+from batchrun.endpoints import shown_endpoint
 from batchrun.errors import (
     AuthFailed,
     BadRequest,
@@ -105,18 +106,23 @@ async def _models(backend: Backend, spec: RunSpec, checks: list[Check]) -> list[
         checks.append(Check("reachable", False, str(exc), essential=True))
         return None
     except AuthFailed as exc:
-        checks.append(Check("reachable", True, spec.base_url, essential=True))
+        checks.append(Check("reachable", True, shown_endpoint(spec.base_url), essential=True))
         checks.append(Check("API key", False, str(exc), essential=True))
         return None
     except NotFound:  # no model list here; chat may still work with --model
         checks.append(
-            Check("reachable", True, f"{spec.base_url} (no /models: 404)", essential=True)
+            Check(
+                "reachable",
+                True,
+                f"{shown_endpoint(spec.base_url)} (no /models: 404)",
+                essential=True,
+            )
         )
         return []
     except RequestError as exc:
         checks.append(Check("reachable", False, f"GET /models: {exc}", essential=True))
         return None
-    checks.append(Check("reachable", True, spec.base_url, essential=True))
+    checks.append(Check("reachable", True, shown_endpoint(spec.base_url), essential=True))
     key = spec.api_key_env
     detail = f"accepted ({key})" if spec.api_key() else "none sent (none needed here)"
     checks.append(Check("API key", True, detail, essential=True))

@@ -96,6 +96,14 @@ def parse_endpoints(texts: tuple[str, ...] | list[str]) -> list[EndpointSpec]:
     return endpoints
 
 
+def shown_endpoint(url: str) -> str:
+    """An endpoint's URL as it may be shown: a `user:password@` in it becomes `***@`."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
+
+
 def host_port(url: str) -> str:
     """What names an endpoint given by URL alone: its host and port (never its credentials)."""
     return urlsplit(url).netloc.rpartition("@")[2] or url

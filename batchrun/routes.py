@@ -17,7 +17,7 @@ from batchrun.backends import Backend, Transport
 from batchrun.backends.build import build_backend, metrics_reader, sim_transport
 from batchrun.backends.metrics_reader import MetricsReader
 from batchrun.config import RunSpec, resolve
-from batchrun.endpoints import EndpointSpec, host_port, parse_endpoints
+from batchrun.endpoints import EndpointSpec, host_port, parse_endpoints, shown_endpoint
 from batchrun.errors import EndpointDown, FatalError, RequestError
 from batchrun.lanes import Route
 from batchrun.retrying import OutageWatch, RetryPolicy, Sleep
@@ -121,7 +121,9 @@ async def pick_model(backend: Backend, spec: RunSpec, policy: RetryPolicy) -> Ru
     except FatalError:
         raise
     except RequestError as exc:
-        raise EndpointDown(f"cannot list models at {spec.base_url}: {exc}") from None
+        raise EndpointDown(
+            f"cannot list models at {shown_endpoint(spec.base_url)}: {exc}"
+        ) from None
     if not models:
-        raise FatalError(f"{spec.base_url}/models lists no model; give --model")
+        raise FatalError(f"{shown_endpoint(spec.base_url)}/models lists no model; give --model")
     return replace(spec, model=models[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from batchrun.endpoints import shown_endpoint
 from batchrun.ledger import STATUSES, Job, Ledger, Worker, left
 from batchrun.run_state import LEASE_TTL
 
@@ -47,7 +48,12 @@ def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
         "input_digest": job.input_digest,
         "total": job.total,
         "counts": counts,
-        "endpoint": {k: spec.get(k) for k in ("backend", "base_url", "model", "endpoint")},
+        "endpoint": {
+            "backend": spec.get("backend"),
+            "base_url": spec.get("base_url") and shown_endpoint(spec["base_url"]),
+            "model": spec.get("model"),
+            "endpoint": spec.get("endpoint"),
+        },
         "concurrency": spec.get("concurrency"),
         "schema": spec.get("schema"),
         "limit_history": job.limit_history,

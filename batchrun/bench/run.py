@@ -20,6 +20,7 @@ from batchrun.bench.metrics import knee, summarize
 from batchrun.bench.selftest import client_bound, self_test
 from batchrun.bench.suite import Suite
 from batchrun.config import RunSpec, preset_for
+from batchrun.endpoints import shown_endpoint
 from batchrun.errors import UsageError
 
 
@@ -63,6 +64,7 @@ async def run_bench(
     described = []
     for endpoint in endpoints:
         backend = build_backend(endpoint.spec, transport)
+        shown = shown_endpoint(endpoint.spec.base_url)
         try:
             listed = [] if endpoint.spec.model else await backend.list_models()
             model = endpoint.spec.model or (listed[0] if listed else None)
@@ -70,9 +72,7 @@ async def run_bench(
             run_plan = LoadPlan(
                 plan.levels, plan.repeat, plan.warmup, plan.rate, plan.seed, model, style
             )
-            described.append(
-                {"name": endpoint.name, "base_url": endpoint.spec.base_url, "model": model}
-            )
+            described.append({"name": endpoint.name, "base_url": shown, "model": model})
 
             def done(cell: Cell) -> None:
                 summary = summarize(cell.records, cell.wall_s)
@@ -83,7 +83,7 @@ async def run_bench(
                     f"{summary['output_throughput'] or 0:,.0f} out tok/s"
                 )
 
-            say(f"benchmarking {endpoint.name} ({endpoint.spec.base_url}, model {model}) ...")
+            say(f"benchmarking {endpoint.name} ({shown}, model {model}) ...")
             await sweep(backend, endpoint.name, suite, run_plan, on_cell=done)
         finally:
             await backend.aclose()

@@ -124,6 +124,27 @@ def test_cli_submit_status_export_in_process(tmp_path: Path) -> None:
     assert missing.exit_code == 2 and "no job named 'nope'" in missing.stderr
 
 
+def test_a_password_in_the_base_url_is_shown_nowhere(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows(2)))
+    url = "http://bob:hunter2secret@127.0.0.1:1/v1"  # nothing listens: the models can't be listed
+    cli = CliRunner()
+    home = ["--home", str(tmp_path)]
+    ran = cli.invoke(
+        main, [*home, "submit", str(path), "--base-url", url, "--outage-timeout", "0.2"]
+    )
+    assert ran.exit_code == 3 and "cannot list models at http://***@127.0.0.1:1/v1" in ran.stderr
+    said = [
+        ran.output,
+        cli.invoke(main, [*home, "status", "in"]).output,
+        cli.invoke(main, [*home, "status", "in", "--json"]).output,
+        cli.invoke(main, ["doctor", "--base-url", url, "--model", "m", "--timeout", "1"]).output,
+        (tmp_path / "logs" / "in.log").read_text(),
+    ]
+    assert all("127.0.0.1:1" in text for text in said)
+    assert not any("hunter2secret" in text for text in said)
+
+
 # --- auth styles: a preset says how its key is sent --------------------------------------------
 
 
