@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from batchrun.endpoints import parse_endpoints
+from batchrun.endpoints import names_a_variable, parse_endpoints
 from batchrun.errors import OptionError, UsageError
 from batchrun.presets import PRESETS, Preset
 
 ENDPOINTS = ("chat", "completions")
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 ON_TRUNCATE = ("fail", "retry-longer")
 ORDERS = ("auto", "prefix", "input")
 
@@ -340,7 +338,7 @@ def _validate(spec: RunSpec, preset: Preset | None) -> None:
             "{server_metrics} URL names one server; with several endpoints give auto or off"
         )
     for e in several:
-        if e.key and not ENV_NAME.fullmatch(e.key):  # not echoed, like api_key_env
+        if e.key and not names_a_variable(e.key):  # not echoed, like api_key_env
             raise UsageError(f"--endpoint {e.name}: key= must be the NAME of a variable")
         if e.backend and e.backend not in PRESETS:
             raise UsageError(f"--endpoint {e.name}: unknown backend {e.backend!r}")
@@ -397,7 +395,7 @@ def _validate(spec: RunSpec, preset: Preset | None) -> None:
         value = getattr(spec, name)
         if value is not None and value < 1:
             raise OptionError(f"{{{name}}} must be at least 1")
-    if spec.api_key_env and not ENV_NAME.fullmatch(spec.api_key_env):
+    if spec.api_key_env and not names_a_variable(spec.api_key_env):
         # not echoed: a key pasted where its variable's name goes must not reach a log
         raise OptionError(
             "{api_key_env} must be the NAME of an environment variable (letters, digits and _), "

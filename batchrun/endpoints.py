@@ -12,11 +12,14 @@ endpoint a fallback, sent to only while every weighted endpoint is down or taken
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from batchrun.errors import UsageError
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SYNTAX = "NAME=URL[,model=M][,key=VAR][,backend=PRESET][,weight=W][,rpm=R][,tpm=T]"
@@ -94,6 +97,17 @@ def parse_endpoints(texts: tuple[str, ...] | list[str]) -> list[EndpointSpec]:
     if endpoints and not any(e.weight > 0 for e in endpoints):
         raise UsageError("every endpoint has weight 0: give at least one a weight above 0")
     return endpoints
+
+
+def names_a_variable(text: str) -> bool:
+    """Whether `text` can be the NAME of the environment variable that holds a key, not a key
+    pasted in its place. Never echoed when it is not: a name that looks like a key (20 or more
+    characters, upper and lower case: what a random token is) and names no variable that is
+    set is taken for a key (a Groq key, `gsk_` and letters and digits, is a valid name)."""
+    if not ENV_NAME.fullmatch(text):
+        return False
+    random = len(text) >= 20 and not text.isupper() and not text.islower()
+    return not random or text in os.environ
 
 
 def shown_endpoint(url: str) -> str:

@@ -105,6 +105,15 @@ async def test_the_async_twins_run_in_the_callers_event_loop(tmp_path: Path) -> 
     assert done.ok
 
 
+def test_variable_names_of_any_case_are_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("MY_GROQ_API_KEY_FOR_NIGHTLY", "my_key", "OpenAIKeyForTheNightlyJob"):
+        monkeypatch.setenv(name, "sk-test")  # a mixed-case long name is a name once it is set
+        done = batchrun.submit(rows(1), home=tmp_path, api_key_env=name, **SIM)
+        assert done.ok
+
+
 # --- the CLI, in-process, as a client of the API ------------------------------------------------
 
 
@@ -222,12 +231,21 @@ def test_rows_that_are_not_dicts_are_refused_by_row(
     assert not list((tmp_path / "inputs").glob("*.tmp"))
 
 
-def test_a_key_pasted_as_its_variable_name_is_refused_and_not_echoed(tmp_path: Path) -> None:
-    secret = "sk-proj-abcdefghijklmnop1234567890"
+@pytest.mark.parametrize(
+    ("secret", "backend"),
+    [
+        ("sk-proj-abcdefghijklmnop1234567890", "vllm"),
+        ("gsk_Ab3dEfGh1jKlMn0pQrStUvWxYz9876543210ABCDefghijkl", "groq"),  # a valid name
+        ("gsk_Ab3dEfGh1jKlMn0pQrStUvWxYz9876543210ABCDefghijkl", "vllm"),  # key optional
+    ],
+)
+def test_a_key_pasted_as_its_variable_name_is_refused_and_not_echoed(
+    tmp_path: Path, secret: str, backend: str
+) -> None:
     with pytest.raises(batchrun.UsageError) as info:
-        batchrun.submit(rows(1), home=tmp_path, backend="vllm", api_key_env=secret)
+        batchrun.submit(rows(1), home=tmp_path, backend=backend, api_key_env=secret)
     assert "NAME of an environment variable" in str(info.value)
-    assert "abcdefgh" not in str(info.value)
+    assert secret[8:16] not in str(info.value)
     assert not (tmp_path / "jobs" / "ledger.db").exists() or secret not in (
         tmp_path / "jobs" / "ledger.db"
     ).read_bytes().decode("latin-1")
