@@ -1,10 +1,11 @@
 """The pipeline: claim -> worker pool -> sender (pacing, retries, validation) -> group commits.
 
 One feeder leases pending items in small batches and hands them to N workers through a bounded
-channel; workers send results to one writer, which commits them in groups at most
-`commit_interval` seconds old. Stopping (Ctrl-C, SIGTERM, or a fatal endpoint error) never
+channel; workers send results to one writer (group_commit.py), which commits them in groups at
+most `commit_interval` seconds old. Stopping (Ctrl-C, SIGTERM, or a fatal endpoint error) never
 cancels the writer: workers stop taking items, in-flight requests get `drain_timeout` to finish,
-what finished is committed, and unfinished claims go back to pending for `resume`.
+what finished is committed, and unfinished claims go back to pending for `resume`. A caller's
+cancel scope does cancel it, and it commits what it holds before it ends.
 
 Knows only the Backend protocol and the Ledger's API; ledger calls run in a worker thread, one
 at a time, so the event loop never blocks on disk.
@@ -34,6 +35,7 @@ from batchrun.errors import (
 )
 from batchrun.feeder import Feeder
 from batchrun.fleet import Fleet
+from batchrun.group_commit import write_in_groups
 from batchrun.lanes import EndpointUse, Lane, Route
 from batchrun.ledger import ClaimedItem, ItemResult, Ledger
 from batchrun.ledger_calls import LedgerCalls
@@ -47,7 +49,6 @@ from batchrun.server_metrics import ServerLoad
 from batchrun.structured import OutputRules
 from batchrun.throttle import Throttle
 
-MAX_GROUP = 1000  # results per commit at most
 SAID = ("endpoint_down", "endpoint_up", "endpoint_out")  # endpoint events said on the terminal
 
 
@@ -181,7 +182,9 @@ class Runner:
         try:
             results_send, results_recv = anyio.create_memory_object_stream[ItemResult](math.inf)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._writer, results_recv)
+                tg.start_soon(
+                    write_in_groups, results_recv, self._commit, self.settings.commit_interval
+                )
                 async with anyio.create_task_group() as side:
                     side.start_soon(self._heartbeat)
                     side.start_soon(self._drain_on_stop)
@@ -362,41 +365,6 @@ class Runner:
         self.log.event(
             "concurrency", limit=change.limit, reason=change.reason, signal=change.signal, **named
         )
-
-    async def _writer(self, results: MemoryObjectReceiveStream[ItemResult]) -> None:
-        clock = time.monotonic
-        group: list[ItemResult] = []
-        oldest = 0.0
-        async with results:
-            while True:
-                if group and (
-                    len(group) >= MAX_GROUP or clock() - oldest >= self.settings.commit_interval
-                ):
-                    await self._commit(group)
-                    group = []
-                    continue
-                try:  # what is there already, without a timer per result
-                    result = results.receive_nowait()
-                except anyio.WouldBlock:
-                    pass
-                except anyio.EndOfStream:
-                    break
-                else:
-                    if not group:
-                        oldest = clock()
-                    group.append(result)
-                    continue
-                wait = self.settings.commit_interval - (clock() - oldest) if group else None
-                with anyio.move_on_after(wait):
-                    try:
-                        result = await results.receive()
-                    except anyio.EndOfStream:
-                        break
-                    if not group:
-                        oldest = clock()
-                    group.append(result)
-        with anyio.CancelScope(shield=True):
-            await self._commit(group)
 
     async def _commit(self, group: list[ItemResult]) -> None:
         if not group:

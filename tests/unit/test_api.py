@@ -371,3 +371,34 @@ def test_the_sync_verbs_say_what_to_do_inside_a_running_loop_or_with_handle_sign
 
     with pytest.raises(batchrun.UsageError, match="inside a running event loop"):
         anyio.run(inside)
+
+
+@pytest.mark.anyio
+async def test_cancelling_an_async_submit_keeps_the_answers_it_already_has(
+    tmp_path: Path,
+) -> None:
+    slow = {"backend": "sim", "sim_options": {"ttft_ms": 20.0, "tpot_ms": 0.0}}
+    committed = anyio.Event()
+
+    def heard(update: batchrun.ProgressUpdate) -> None:
+        if update.done:
+            committed.set()
+
+    async with anyio.create_task_group() as tg:
+
+        async def cancel_between_commits() -> None:
+            await committed.wait()  # a group was just committed
+            await anyio.sleep(0.12)  # more answers came, not committed yet
+            tg.cancel_scope.cancel()  # a notebook's stop, asyncio.wait_for...
+
+        tg.start_soon(cancel_between_commits)
+        await batchrun.submit_async(
+            rows(100), job="c", home=tmp_path, concurrency=1, on_progress=heard, **slow
+        )
+    counts = batchrun.status("c", home=tmp_path)["counts"]
+    assert counts["running"] == 0  # the leases are given back
+    log = (tmp_path / "logs" / "c.log").read_text().splitlines()
+    stopped = next(json.loads(line) for line in log if '"run_stopped"' in line)
+    # one request at a time: only the one in flight may go unanswered
+    assert stopped["requests"] - stopped["recorded"] <= 1, stopped
+    assert counts["done"] >= stopped["requests"] - 1
