@@ -76,6 +76,8 @@ def summary_line(report: JobReport) -> str:
         text += f" | ABORTED: {stats.aborted}"
     elif stats.interrupted and counts["pending"]:
         text += " | interrupted; run `batchrun resume " + name + "` to continue"
+    elif counts["pending"] or counts["batched"]:  # a batch cancelled, expired or still running
+        text += f" | not finished: `batchrun resume {name}` sends or collects the rest"
     if report.output is not None:
         text += f" | results: {report.output}"
     return text

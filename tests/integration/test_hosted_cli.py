@@ -111,5 +111,6 @@ def test_an_expired_batch_finishes_online_and_cancel_stops_one(
     assert cancelled.returncode == 0 and "cancelled 1 batch" in cancelled.stdout + cancelled.stderr
     _out, err = job.communicate(timeout=60)
     assert job.returncode == 1, err  # it collected what the batch answered; the rest is pending
+    assert "not finished: `batchrun resume slow` sends or collects the rest" in err
     counts = cli.counts("slow")
     assert counts.get("pending", 0) + counts.get("done", 0) == 10 and counts.get("pending", 0) > 0
