@@ -43,29 +43,39 @@ COPIED = (
 )
 
 
+# Rows written per statement where a job's lines are marked: memory bounded by this, not by
+# the job's size (a million-line job's keys in a dict took 250 MB).
+WRITE_BATCH = 10_000
+
+
 def mark_duplicates(conn: Connection, job: str) -> int:
     """Pending lines whose request an earlier pending line of the job also sends wait for
-    it; how many lines now wait."""
+    it; how many lines now wait. The lines are read in request order, so a request's lines
+    come together and only the one before is kept."""
     query = (
         select(items.c.line, items.c.endpoint, items.c.digest)
         .where(items.c.job == job, items.c.status == "pending", items.c.dup_of.is_(None))
-        .order_by(items.c.line)
+        .order_by(items.c.endpoint, items.c.digest, items.c.line)
+        .execution_options(yield_per=WRITE_BATCH)  # a server-side cursor on PostgreSQL
     )
-    first: dict[tuple[str, str], int] = {}
-    waits: list[dict[str, Any]] = []
+    key: tuple[str, str] | None = None
+    leader = 0
+    waits: list[tuple[int, int]] = []  # (line, the line it waits for)
     for line, endpoint, digest in conn.execute(query):
-        leader = first.setdefault((endpoint, digest), line)
-        if leader != line:
-            waits.append({"l": line, "leader": leader})
-    if waits:
+        if (endpoint, digest) != key:
+            key, leader = (endpoint, digest), line
+        else:
+            waits.append((line, leader))
+    for at in range(0, len(waits), WRITE_BATCH):
+        batch = waits[at : at + WRITE_BATCH]
         conn.execute(
             update(items)
             .where(items.c.job == job, items.c.line == bindparam("l"))
             .values(dup_of=bindparam("leader")),
-            waits,
+            [{"l": line, "leader": leader} for line, leader in batch],
         )
         conn.execute(
-            waiting.insert(), [{"job": job, "leader": w["leader"], "line": w["l"]} for w in waits]
+            waiting.insert(), [{"job": job, "leader": lead, "line": line} for line, lead in batch]
         )
     return len(waits)
 
@@ -213,20 +223,22 @@ def preview(
     src = items.alias("src")
     match = _answered_before(items, src, job, answer_spec or "", since)
     answered = exists().where(match) if answer_spec else literal(False)
+    # In request order, so that a request's lines come together: only the one before is kept.
     query = (
         select(items.c.endpoint, items.c.digest, items.c.body, answered)
         .where(items.c.job == job, items.c.status == "pending")
-        .order_by(items.c.line)
+        .order_by(items.c.endpoint, items.c.digest, items.c.line)
+        .execution_options(yield_per=WRITE_BATCH)
     )
-    first: dict[tuple[str, str], bool] = {}  # each request's first line: reusable or not
+    key: tuple[str, str] | None = None
+    first = False  # whether the request's first line would be reused
     send = repeated = reused = tokens_in = tokens_out = 0
     for endpoint, digest, body, earlier in conn.execute(query):
-        key = (endpoint, digest)
-        if answer_spec and key in first:
-            reused += first[key]
-            repeated += not first[key]
+        if answer_spec and (endpoint, digest) == key:
+            reused += first
+            repeated += not first
             continue
-        first[key] = bool(earlier)
+        key, first = (endpoint, digest), bool(earlier)
         if earlier:
             reused += 1
         else:
