@@ -19,7 +19,7 @@ from batchrun.config import resolve
 from batchrun.errors import OptionError, UsageError
 from batchrun.inputs import InputItem
 from batchrun.jobs import Home
-from batchrun.ledger import ItemResult, Joining, Ledger
+from batchrun.ledger import ItemResult, Joining, Ledger, reuse
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.sim import SimModel, SimTransport, prompt_tag
 from batchrun.status_view import job_detail, render_detail
@@ -151,6 +151,28 @@ def test_repeated_lines_are_sent_once_and_each_keeps_its_own_id(ledger: Ledger) 
         ("j-5", "done", "j:5"),
     ]
     assert ledger.counts("j")["done"] == 5
+
+
+def test_repeats_are_found_in_request_order_across_write_batches(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # read in request order, written a few at a time: memory bounded, not a dict of every key
+    monkeypatch.setattr(reuse, "WRITE_BATCH", 3)
+    requests = [f"r{n % 7}" if n % 2 else f"once {n}" for n in range(1, 41)]
+    load(ledger, "j", requests)
+    firsts = {text: n for n, text in reversed(list(enumerate(requests, start=1)))}
+    repeats = len(requests) - len(firsts)
+    none = lambda body: (1, 1)  # noqa: E731
+    assert ledger.preview("j", SPEC_A, reuse_since=None, estimate=none) == (
+        len(firsts),
+        repeats,
+        0,
+        (len(firsts), len(firsts)),
+    )
+    assert ledger.prepare_reuse("j", SPEC_A, reuse_since=None, earlier=False) == (repeats, 0)
+    assert answer_all(ledger, "j", SPEC_A) == sorted(firsts.values())
+    outputs = [r.output for r in ledger.iter_results("j")]
+    assert outputs == [f"j:{firsts[text]}" for text in requests]
 
 
 def test_a_late_result_turned_away_by_the_lease_answers_no_duplicate(ledger: Ledger) -> None:
