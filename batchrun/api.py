@@ -326,7 +326,10 @@ def _no_running_loop(verb: str) -> None:
 
 
 def _home(home: PathLike, ledger: str | None) -> Home:
-    return Home.at(Path(home).expanduser(), ledger)
+    root = Path(home).expanduser()
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"home {str(root)!r} is a file, not a folder")
+    return Home.at(root, ledger)
 
 
 @contextmanager

@@ -61,6 +61,8 @@ class Home:
 
 
 def check_job_name(name: str) -> str:
+    if not isinstance(name, str):
+        raise UsageError(f"job must be a string, not {type(name).__name__}")
     if not JOB_NAME.fullmatch(name):
         raise UsageError(
             f"job name {name!r} must start with a letter or digit and use only letters, digits, "

@@ -28,8 +28,11 @@ def write_rows(
 
     The file's name holds the content's digest, so rows that differ never share a file, and a
     submit that fails leaves nothing in the way of the next."""
-    if isinstance(rows, (Mapping, str, bytes, bytearray)):
-        raise UsageError("rows must be an iterable of dicts, one per line (for one row: [row])")
+    if isinstance(rows, (Mapping, str, bytes, bytearray)) or not isinstance(rows, Iterable):
+        raise UsageError(
+            "source must be a JSONL path or an iterable of dicts, one per line (for one row: "
+            f"[row]), not {type(rows).__name__}"
+        )
     folder.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=folder, suffix=".tmp")
     tmp = Path(name)

@@ -402,3 +402,21 @@ async def test_cancelling_an_async_submit_keeps_the_answers_it_already_has(
     # one request at a time: only the one in flight may go unanswered
     assert stopped["requests"] - stopped["recorded"] <= 1, stopped
     assert counts["done"] >= stopped["requests"] - 1
+
+
+@pytest.mark.parametrize(
+    ("call", "said"),
+    [
+        (lambda home: batchrun.submit(rows(1), job=123, home=home, **SIM), "job must be a string"),
+        (lambda home: batchrun.submit(5, home=home, **SIM), "source must be a JSONL path"),
+        (lambda home: batchrun.submit(rows(1), home=home / "f", **SIM), "is a file, not a folder"),
+        (lambda home: batchrun.list_jobs(home=home / "f"), "is a file, not a folder"),
+    ],
+    ids=["job", "source", "home", "home-read"],
+)
+def test_arguments_of_the_wrong_kind_are_usage_errors_naming_them(
+    tmp_path: Path, call: Any, said: str
+) -> None:
+    (tmp_path / "f").write_text("a file, not a folder")
+    with pytest.raises(batchrun.UsageError, match=said):
+        call(tmp_path)
