@@ -106,8 +106,8 @@ def names_a_variable(text: str) -> bool:
     set is taken for a key (a Groq key, `gsk_` and letters and digits, is a valid name)."""
     if not ENV_NAME.fullmatch(text):
         return False
-    random = len(text) >= 20 and not text.isupper() and not text.islower()
-    return not random or text in os.environ
+    token_like = len(text) >= 20 and not text.isupper() and not text.islower()
+    return not token_like or text in os.environ
 
 
 def shown_endpoint(url: str) -> str:

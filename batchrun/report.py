@@ -1,5 +1,5 @@
-"""What a submit or resume hands back (JobReport), and what it raises instead when the
-endpoint stopped the job (JobAborted, which carries the report)."""
+"""What a submit or resume hands back (JobReport), and what it raises instead when the job
+stopped with items left (JobAborted, which carries the report)."""
 
 from __future__ import annotations
 

@@ -43,8 +43,9 @@ COPIED = (
 )
 
 
-# Rows written per statement where a job's lines are marked: memory bounded by this, not by
-# the job's size (a million-line job's keys in a dict took 250 MB).
+# Rows read at a time, and written per statement, where a job's lines are looked over: a pass
+# keeps the line before and the repeats it found, not every line's key (a million lines' keys
+# in a dict took 250 MB).
 WRITE_BATCH = 10_000
 
 
