@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from batchrun.endpoints import names_a_variable, parse_endpoints
+from batchrun.endpoints import not_a_name, parse_endpoints
 from batchrun.errors import OptionError, UsageError
 from batchrun.presets import PRESETS, Preset
 
@@ -338,8 +338,8 @@ def _validate(spec: RunSpec, preset: Preset | None) -> None:
             "{server_metrics} URL names one server; with several endpoints give auto or off"
         )
     for e in several:
-        if e.key and not names_a_variable(e.key):  # not echoed, like api_key_env
-            raise UsageError(f"--endpoint {e.name}: key= must be the NAME of a variable")
+        if e.key and (why := not_a_name(e.key)):  # not echoed, like api_key_env
+            raise UsageError(f"--endpoint {e.name}: key= {why}")
         if e.backend and e.backend not in PRESETS:
             raise UsageError(f"--endpoint {e.name}: unknown backend {e.backend!r}")
     if spec.mode not in ("online", "batch") or spec.then not in ("none", "online"):
@@ -395,12 +395,9 @@ def _validate(spec: RunSpec, preset: Preset | None) -> None:
         value = getattr(spec, name)
         if value is not None and value < 1:
             raise OptionError(f"{{{name}}} must be at least 1")
-    if spec.api_key_env and not names_a_variable(spec.api_key_env):
+    if spec.api_key_env and (why := not_a_name(spec.api_key_env)):
         # not echoed: a key pasted where its variable's name goes must not reach a log
-        raise OptionError(
-            "{api_key_env} must be the NAME of an environment variable (letters, digits and _), "
-            "not the key itself"
-        )
+        raise OptionError("{api_key_env} " + why)
     if preset is not None and preset.key_required and spec.api_key() is None:
         raise OptionError(
             f"backend {preset.name} needs an API key: set the environment variable "

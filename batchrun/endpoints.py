@@ -99,15 +99,31 @@ def parse_endpoints(texts: tuple[str, ...] | list[str]) -> list[EndpointSpec]:
     return endpoints
 
 
-def names_a_variable(text: str) -> bool:
-    """Whether `text` can be the NAME of the environment variable that holds a key, not a key
-    pasted in its place. Never echoed when it is not: a name that looks like a key (20 or more
-    characters, upper and lower case: what a random token is) and names no variable that is
-    set is taken for a key (a Groq key, `gsk_` and letters and digits, is a valid name)."""
+def not_a_name(text: str) -> str | None:
+    """Why `text` cannot be taken for the NAME of the environment variable that holds a key
+    (it may be the key, pasted in its place: never echoed), or None. A valid name that names
+    no variable set here and looks like a random token is taken for a key: a Groq key (`gsk_`
+    and 52 letters and digits) or a hex key is a valid name."""
     if not ENV_NAME.fullmatch(text):
-        return False
-    token_like = len(text) >= 20 and not text.isupper() and not text.islower()
-    return not token_like or text in os.environ
+        return (
+            "must be the NAME of an environment variable (letters, digits and _), not the key "
+            "itself"
+        )
+    if text not in os.environ and _token_like(text):
+        return (
+            "names no variable set here and looks like a key (not shown): if it is a "
+            "variable's name, set the environment variable; if it is a key, put it in one and "
+            "give that variable's name"
+        )
+    return None
+
+
+def _token_like(text: str) -> bool:
+    """What a random key looks like, and a name made of words rarely does: 16 or more
+    characters with 4 or more digits, or 20 or more in upper and lower case."""
+    digits = sum(ch.isdigit() for ch in text)
+    mixed = not text.isupper() and not text.islower()
+    return len(text) >= 16 and (digits >= 4 or (mixed and len(text) >= 20))
 
 
 def shown_endpoint(url: str) -> str:

@@ -13,6 +13,7 @@ import orjson
 from batchrun.backends.base import Transport, auth_headers
 from batchrun.backends.build import checked_key, sim_transport
 from batchrun.backends.errors_http import error_for_status
+from batchrun.backends.openai_compat import scrubbed
 from batchrun.config import RunSpec, preset_for
 from batchrun.errors import FatalError
 
@@ -27,7 +28,10 @@ class BatchAPI:
     """The provider's Files and Batches endpoints, at the job's URL, with its key."""
 
     def __init__(self, spec: RunSpec, transport: Transport | None = None) -> None:
-        headers = auth_headers(preset_for(spec).auth, checked_key(spec))
+        key = checked_key(spec)
+        headers = auth_headers(preset_for(spec).auth, key)
+        # a server may echo the key, and the URL may hold a user:password: hidden in errors
+        self._secrets = (key, httpx.URL(spec.base_url).userinfo.decode())
         self._client = httpx.AsyncClient(
             base_url=spec.base_url.removesuffix("/v1") + "/v1",
             headers=headers,
@@ -39,10 +43,12 @@ class BatchAPI:
         try:
             response = await self._client.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
-            raise error_for_status(503, {}, str(exc).encode(), path) from None
+            error = error_for_status(503, {}, str(exc).encode(), path)
+            raise scrubbed(error, *self._secrets) from None
         if response.status_code >= 300:  # a redirect too: not followed
             url = str(response.request.url)
-            raise error_for_status(response.status_code, response.headers, response.content, url)
+            error = error_for_status(response.status_code, response.headers, response.content, url)
+            raise scrubbed(error, *self._secrets)
         return response
 
     async def _object(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
@@ -55,9 +61,12 @@ class BatchAPI:
         except orjson.JSONDecodeError:
             data = None
         if not isinstance(data, dict) or not isinstance(data.get("id"), str):
-            raise Unreadable(
-                f"{method} {response.request.url} did not answer an object with an id, as "
-                f"OpenAI's Batch API does: {response.content[:200]!r}"
+            raise scrubbed(
+                Unreadable(
+                    f"{method} {path} did not answer an object with an id, as "
+                    f"OpenAI's Batch API does: {response.content[:200]!r}"
+                ),
+                *self._secrets,
             )
         return _lowered(data)
 
@@ -123,7 +132,7 @@ def _listed(response: httpx.Response) -> tuple[list[dict[str, Any]], bool]:
     except orjson.JSONDecodeError:
         page = None
     if not isinstance(page, dict):
-        raise FatalError(f"GET {response.request.url} did not answer a list of batches")
+        raise FatalError(f"GET {response.request.url.path} did not answer a list of batches")
     data = page.get("data")
     batches = [b for b in data if isinstance(b, dict)] if isinstance(data, list) else []
     return batches, bool(page.get("has_more"))

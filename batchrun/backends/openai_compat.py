@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import httpx
@@ -31,6 +31,7 @@ from batchrun.errors import (
 )
 
 ENDPOINT_PATHS = {"chat": "/chat/completions", "completions": "/completions"}
+E = TypeVar("E", bound=Exception)
 SECRET_RUN = 8  # this many characters of the key in a row are a leak (see hide_secret)
 DONE_GRACE_S = 1.0  # how long the body may take to end after `[DONE]` (see _body_end)
 
@@ -288,10 +289,15 @@ class OpenAICompatBackend:
     def _scrub(self, error: RequestError) -> RequestError:
         """Make sure the key (or a user:password in the URL) cannot leak through our messages,
         echoed by a server or in a URL: applied once, where errors leave this class."""
-        for secret in (self._api_key, self._userinfo):
-            if secret:
-                error.args = (hide_secret(str(error), secret),)
-        return error
+        return scrubbed(error, self._api_key, self._userinfo)
+
+
+def scrubbed(error: E, *secrets: str | None) -> E:
+    """`error` with every secret given (a key, a URL's user:password) hidden in its text."""
+    for secret in secrets:
+        if secret:
+            error.args = (hide_secret(str(error), secret),)
+    return error
 
 
 def hide_secret(text: str, secret: str) -> str:
