@@ -54,7 +54,7 @@ class Home:
         return cls(root, ledger_url or f"sqlite:///{root / 'jobs' / 'ledger.db'}")
 
     def output_path(self, job: str, fmt: str = "native") -> Path:
-        return self.root / "outputs" / f"{job}{FORMATS[fmt].suffix}"
+        return self.root / "outputs" / FORMATS[fmt].place.format(job=job)
 
     def log_path(self, job: str) -> Path:
         return self.root / "logs" / f"{job}.log"

@@ -155,17 +155,19 @@ def openai_record(item: StoredItem, model: str | None) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class OutputFormat:
-    """A results file format: its file suffix and how one item becomes one line."""
+    """A results file format: its file's place under outputs/ and how one item becomes one
+    line."""
 
-    suffix: str
+    place: str  # under outputs/, `{job}` standing for the job's name
     record: Callable[[StoredItem, str | None], dict[str, Any]]  # (item, model) -> a JSON line
 
 
 # A new format is one entry here (and its record function above).
 FORMATS: dict[str, OutputFormat] = {
-    "native": OutputFormat(".jsonl", native_record),
-    # the OpenAI Batch API's output file, beside the results file (never over it)
-    "openai": OutputFormat(".openai.jsonl", openai_record),
+    "native": OutputFormat("{job}.jsonl", native_record),
+    # the OpenAI Batch API's output file: in a folder of its own, so no job's results file is
+    # ever its place (a job may be named `x.openai`)
+    "openai": OutputFormat("openai/{job}.jsonl", openai_record),
 }
 
 

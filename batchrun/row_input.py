@@ -50,8 +50,19 @@ def write_rows(
         tmp.unlink(missing_ok=True)
         raise
     asked = {key: options[key] for key in REQUEST_SHAPING if options.get(key) is not None}
+    if isinstance(asked.get("schema"), str):  # the schema's content, as reuse digests it
+        asked["schema"] = _content(asked["schema"])
     job = hashlib.sha256(digest.encode() + orjson.dumps(asked, option=orjson.OPT_SORT_KEYS))
     return path, job.hexdigest()
+
+
+def _content(path: str) -> str:
+    """A file's digest, so that an edited file is another ask; its path if it can't be read
+    (resolving the options says why)."""
+    try:
+        return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()
+    except OSError:
+        return path
 
 
 def _line(number: int, row: Any) -> bytes:

@@ -204,6 +204,21 @@ def test_the_same_rows_asked_another_way_are_another_job(tmp_path: Path) -> None
     assert other.job != first.job and other.stats.requests == 3
 
 
+def test_the_same_rows_asked_with_an_edited_schema_file_are_another_job(tmp_path: Path) -> None:
+    def needs(field: str) -> str:
+        properties = {field: {"type": "integer"}}
+        return json.dumps({"type": "object", "properties": properties, "required": [field]})
+
+    path = tmp_path / "schema.json"
+    path.write_text(needs("a"))
+    first = batchrun.submit(rows(3), home=tmp_path, schema=str(path), **SIM)
+    path.write_text(needs("b"))  # the answers must have "b" now
+    again = batchrun.submit(rows(3), home=tmp_path, schema=str(path), **SIM)
+    assert again.job != first.job and again.stats.requests == 3
+    answers = [json.loads(r.output or "") for r in batchrun.results(again.job, home=tmp_path)]
+    assert all("b" in answer for answer in answers)
+
+
 def test_the_same_rows_asked_of_another_endpoints_model_are_another_job(tmp_path: Path) -> None:
     sim = SIM["sim_options"]
     alpha = ["a=http://sim.invalid/v1,backend=sim,model=alpha"]
@@ -318,12 +333,15 @@ def test_ctrl_c_stops_gracefully_then_reaches_the_caller(tmp_path: Path) -> None
 
 
 def test_an_openai_export_goes_beside_the_results_file_not_over_it(tmp_path: Path) -> None:
+    batchrun.submit(rows(2), job="j.openai", home=tmp_path, **SIM)  # a name that could clash
+    theirs = (tmp_path / "outputs" / "j.openai.jsonl").read_bytes()
     report = batchrun.submit(rows(3), job="j", home=tmp_path, **SIM)
     assert report.output is not None
     before = report.output.read_bytes()
     written = batchrun.export("j", fmt="openai", home=tmp_path)
-    assert written == tmp_path / "outputs" / "j.openai.jsonl"
+    assert written == tmp_path / "outputs" / "openai" / "j.jsonl"
     assert report.output.read_bytes() == before
+    assert (tmp_path / "outputs" / "j.openai.jsonl").read_bytes() == theirs
     assert [json.loads(line)["custom_id"] for line in written.read_text().splitlines()] == [
         "r1",
         "r2",
