@@ -95,6 +95,8 @@ class Feeder:
                         send.send_nowait(item)
                     except anyio.WouldBlock:
                         await send.send(item)
+                    except anyio.BrokenResourceError:  # the workers are gone: a cancel
+                        return  # (a claim in its thread does not see one) released at the end
 
     async def _claim_size(self) -> int:
         while True:

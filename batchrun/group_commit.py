@@ -4,12 +4,14 @@ slow one loses little to a kill -9."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from batchrun.errors import LedgerError
 from batchrun.ledger import ItemResult
 
 MAX_GROUP = 1000  # results per commit at most
@@ -18,11 +20,17 @@ Commit = Callable[[list[ItemResult]], Awaitable[None]]
 
 
 async def write_in_groups(
-    results: MemoryObjectReceiveStream[ItemResult], commit: Commit, interval: float
+    results: MemoryObjectReceiveStream[ItemResult],
+    commit: Commit,
+    interval: float,
+    *,
+    hurry: Callable[[], None],
 ) -> None:
     """Commit what the workers send until they are done. Cancelled from outside (a caller's
     cancel scope: a notebook's stop, asyncio.wait_for), it still commits the results it holds
-    and those the workers sent: those answers were paid for, and a resume would pay again."""
+    and those the workers sent: those answers were paid for, and a resume would pay again.
+    That last commit is tried once (`hurry` makes the ledger calls stop waiting out a lock or
+    an outage): a stop is not held for `--outage-timeout`; if it fails, resume sends them."""
     group: list[ItemResult] = []
     async with results:
         try:
@@ -30,7 +38,8 @@ async def write_in_groups(
         except anyio.get_cancelled_exc_class():
             while (result := _received(results)) is not None:
                 group.append(result)
-            with anyio.CancelScope(shield=True):
+            hurry()
+            with anyio.CancelScope(shield=True), contextlib.suppress(LedgerError):
                 await commit(group)
             raise
     with anyio.CancelScope(shield=True):

@@ -35,7 +35,7 @@ class LedgerCalls:
         self.outage_timeout = outage_timeout
         self.log = log
         self.say = say or (lambda _text: None)
-        self.no_waiting = False  # the run is failing: its last calls do not wait
+        self.no_waiting = False  # the run is failing: its last calls wait out no lock or outage
         self.outages = 0  # calls that found the database out of reach: their outcome is unknown
         self._lock = anyio.CapacityLimiter(1)
         self._lost: float | None = None  # when the ledger went out of reach
@@ -60,7 +60,7 @@ class LedgerCalls:
     async def _wait_out(self, exc: LedgerError, busy_until: float) -> None:
         """Sleep before trying again, or raise `exc` when waiting is not worth it."""
         now = self.settings.clock()
-        if exc.busy and now <= busy_until:
+        if exc.busy and now <= busy_until and not self.no_waiting:
             self.log.event("ledger_busy", error=str(exc))
             await self.settings.sleep(RETRY_S)
             return

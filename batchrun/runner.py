@@ -182,9 +182,8 @@ class Runner:
         try:
             results_send, results_recv = anyio.create_memory_object_stream[ItemResult](math.inf)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(
-                    write_in_groups, results_recv, self._commit, self.settings.commit_interval
-                )
+                writer = functools.partial(write_in_groups, hurry=self._hurry)
+                tg.start_soon(writer, results_recv, self._commit, self.settings.commit_interval)
                 async with anyio.create_task_group() as side:
                     side.start_soon(self._heartbeat)
                     side.start_soon(self._drain_on_stop)
@@ -196,13 +195,17 @@ class Runner:
         except BaseException:
             # Keep the error that stopped the run; a failed release (same full disk, say) is
             # only logged; the next resume reclaims the leases anyway.
-            self._db.no_waiting = True
+            self._hurry()
             with anyio.CancelScope(shield=True):
                 await self._finish(quiet_errors=True)
             raise
         with anyio.CancelScope(shield=True):
             await self._finish(quiet_errors=False)
         return self.stats
+
+    def _hurry(self) -> None:
+        """The run is ending badly: its last ledger calls wait out no lock or outage."""
+        self._db.no_waiting = True
 
     async def _finish(self, *, quiet_errors: bool) -> None:
         """Give the job back (unfinished claims return to pending) and log the run's end."""

@@ -12,8 +12,7 @@ import orjson
 
 from batchrun.backends.base import Transport, auth_headers
 from batchrun.backends.build import checked_key, sim_transport
-from batchrun.backends.errors_http import error_for_status
-from batchrun.backends.openai_compat import scrubbed
+from batchrun.backends.errors_http import error_for_status, scrubbed
 from batchrun.config import RunSpec, preset_for
 from batchrun.errors import FatalError
 

@@ -6,7 +6,7 @@ import email.utils
 import re
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -21,6 +21,8 @@ from batchrun.errors import (
     RequestError,
 )
 
+E = TypeVar("E", bound=Exception)
+SECRET_RUN = 8  # this many characters of the key in a row are a leak (see hide_secret)
 MAX_MESSAGE = 500
 
 
@@ -137,3 +139,33 @@ def error_for_status(
     if status in (408, 409) or status >= 500:
         return Overloaded(message, status=status, retry_after=retry_after(headers))
     return BadRequest(message, status=status)
+
+
+def scrubbed(error: E, *secrets: str | None) -> E:
+    """`error` with every secret given (a key, a URL's user:password) hidden in its text."""
+    for secret in secrets:
+        if secret:
+            error.args = (hide_secret(str(error), secret),)
+    return error
+
+
+def hide_secret(text: str, secret: str) -> str:
+    """`text` with every run of SECRET_RUN or more characters of `secret` in it replaced by
+    `***`: the whole key, and any part a server echoed (its first 20 characters, a message cut
+    at its length limit in the middle of it)."""
+    if len(secret) < SECRET_RUN:
+        return text.replace(secret, "***") if secret else text
+    parts = {secret[i : i + SECRET_RUN] for i in range(len(secret) - SECRET_RUN + 1)}
+    hidden = bytearray(len(text))  # 1 where a character is part of the secret
+    for i in range(len(text) - SECRET_RUN + 1):
+        if text[i : i + SECRET_RUN] in parts:
+            hidden[i : i + SECRET_RUN] = b"\x01" * SECRET_RUN
+    if not any(hidden):
+        return text
+    out: list[str] = []
+    for i, char in enumerate(text):
+        if not hidden[i]:
+            out.append(char)
+        elif i == 0 or not hidden[i - 1]:
+            out.append("***")
+    return "".join(out)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import httpx
@@ -19,7 +19,7 @@ import orjson
 from batchrun import __version__
 from batchrun.backends.answers import StreamedAnswer, read_json
 from batchrun.backends.base import Completion, CompletionRequest, Watch, auth_headers
-from batchrun.backends.errors_http import error_for_status, rate_info
+from batchrun.backends.errors_http import error_for_status, rate_info, scrubbed
 from batchrun.backends.http11 import Body, Http11Transport
 from batchrun.errors import (
     BadRequest,
@@ -31,8 +31,6 @@ from batchrun.errors import (
 )
 
 ENDPOINT_PATHS = {"chat": "/chat/completions", "completions": "/completions"}
-E = TypeVar("E", bound=Exception)
-SECRET_RUN = 8  # this many characters of the key in a row are a leak (see hide_secret)
 DONE_GRACE_S = 1.0  # how long the body may take to end after `[DONE]` (see _body_end)
 
 
@@ -290,36 +288,6 @@ class OpenAICompatBackend:
         """Make sure the key (or a user:password in the URL) cannot leak through our messages,
         echoed by a server or in a URL: applied once, where errors leave this class."""
         return scrubbed(error, self._api_key, self._userinfo)
-
-
-def scrubbed(error: E, *secrets: str | None) -> E:
-    """`error` with every secret given (a key, a URL's user:password) hidden in its text."""
-    for secret in secrets:
-        if secret:
-            error.args = (hide_secret(str(error), secret),)
-    return error
-
-
-def hide_secret(text: str, secret: str) -> str:
-    """`text` with every run of SECRET_RUN or more characters of `secret` in it replaced by
-    `***`: the whole key, and any part a server echoed (its first 20 characters, a message cut
-    at its length limit in the middle of it)."""
-    if len(secret) < SECRET_RUN:
-        return text.replace(secret, "***") if secret else text
-    parts = {secret[i : i + SECRET_RUN] for i in range(len(secret) - SECRET_RUN + 1)}
-    hidden = bytearray(len(text))  # 1 where a character is part of the secret
-    for i in range(len(text) - SECRET_RUN + 1):
-        if text[i : i + SECRET_RUN] in parts:
-            hidden[i : i + SECRET_RUN] = b"\x01" * SECRET_RUN
-    if not any(hidden):
-        return text
-    out: list[str] = []
-    for i, char in enumerate(text):
-        if not hidden[i]:
-            out.append(char)
-        elif i == 0 or not hidden[i - 1]:
-            out.append("***")
-    return "".join(out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,7 @@ import orjson
 import pytest
 
 from batchrun.backends import Completion, CompletionRequest, OpenAICompatBackend
-from batchrun.backends.errors_http import error_for_status, retry_after, server_message
-from batchrun.backends.openai_compat import hide_secret
+from batchrun.backends.errors_http import error_for_status, hide_secret, retry_after, server_message
 from batchrun.errors import (
     AuthFailed,
     BadRequest,
