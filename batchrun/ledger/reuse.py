@@ -52,7 +52,9 @@ WRITE_BATCH = 10_000
 def mark_duplicates(conn: Connection, job: str) -> int:
     """Pending lines whose request an earlier pending line of the job also sends wait for
     it; how many lines now wait. The lines are read in request order, so a request's lines
-    come together and only the one before is kept."""
+    come together and only the one before is kept; the repeats are written as they are found,
+    WRITE_BATCH at a time. (The writes do not disturb the read: SQLite sorts every row before
+    the first comes back, and a PostgreSQL cursor sees the rows as they were when opened.)"""
     query = (
         select(items.c.line, items.c.endpoint, items.c.digest)
         .where(items.c.job == job, items.c.status == "pending", items.c.dup_of.is_(None))
@@ -60,24 +62,30 @@ def mark_duplicates(conn: Connection, job: str) -> int:
         .execution_options(yield_per=WRITE_BATCH)  # a server-side cursor on PostgreSQL
     )
     key: tuple[str, str] | None = None
-    leader = 0
+    leader = marked = 0
     waits: list[tuple[int, int]] = []  # (line, the line it waits for)
     for line, endpoint, digest in conn.execute(query):
         if (endpoint, digest) != key:
             key, leader = (endpoint, digest), line
-        else:
-            waits.append((line, leader))
-    for at in range(0, len(waits), WRITE_BATCH):
-        batch = waits[at : at + WRITE_BATCH]
+            continue
+        waits.append((line, leader))
+        if len(waits) == WRITE_BATCH:
+            marked += _wait(conn, job, waits)
+            waits = []
+    return marked + _wait(conn, job, waits)
+
+
+def _wait(conn: Connection, job: str, waits: list[tuple[int, int]]) -> int:
+    """These lines wait for those: (line, leader) pairs. How many."""
+    if waits:
         conn.execute(
             update(items)
             .where(items.c.job == job, items.c.line == bindparam("l"))
             .values(dup_of=bindparam("leader")),
-            [{"l": line, "leader": leader} for line, leader in batch],
+            [{"l": line, "leader": leader} for line, leader in waits],
         )
-        conn.execute(
-            waiting.insert(), [{"job": job, "leader": lead, "line": line} for line, lead in batch]
-        )
+        rows = [{"job": job, "leader": leader, "line": line} for line, leader in waits]
+        conn.execute(waiting.insert(), rows)
     return len(waits)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,29 @@ def test_repeats_are_found_in_request_order_across_write_batches(
     assert answer_all(ledger, "j", SPEC_A) == sorted(firsts.values())
     outputs = [r.output for r in ledger.iter_results("j")]
     assert outputs == [f"j:{firsts[text]}" for text in requests]
+
+
+def test_marking_a_file_of_repeats_keeps_memory_flat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every repeat's (line, leader) was kept until the end: memory grew with the repeats
+    monkeypatch.setattr(reuse, "WRITE_BATCH", 100)
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    load(ledger, "distinct", [f"q {n}" for n in range(30_000)])
+    load(ledger, "repeats", ["the same question"] * 30_000)
+
+    def marking(name: str) -> tuple[int, int]:
+        tracemalloc.start()
+        try:
+            waiting, _ = ledger.prepare_reuse(name, SPEC_A, reuse_since=None, earlier=False)
+            return waiting, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    (none, distinct), (waiting, repeats) = marking("distinct"), marking("repeats")
+    ledger.close()
+    assert none == 0 and waiting == 29_999
+    assert repeats < distinct + 1_000_000, (distinct, repeats)  # bytes at the peak
 
 
 def test_a_late_result_turned_away_by_the_lease_answers_no_duplicate(ledger: Ledger) -> None:
