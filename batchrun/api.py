@@ -32,7 +32,7 @@ from batchrun.jobs import Home
 from batchrun.ledger import IngestReport, Job, Ledger, left, shown_url
 from batchrun.outputs import FORMATS, Result, result_of
 from batchrun.progress import ProgressUpdate
-from batchrun.report import JobReport, checked
+from batchrun.report import JobAborted, JobReport, checked
 from batchrun.row_input import write_rows
 from batchrun.run_state import RunStats
 from batchrun.status_view import job_detail, jobs_table
@@ -288,7 +288,12 @@ def _standing(led: Ledger, where: Home, name: str) -> JobReport:
 def _sync(call: Callable[..., Awaitable[JobReport]], options: Mapping[str, Any]) -> JobReport:
     """Run an async verb in a new event loop; from the main thread, a Ctrl-C or SIGTERM stops
     the run gracefully, and then reaches the caller through its own handler (or Python's)."""
-    report = in_new_loop(call, options)
+    try:
+        report = in_new_loop(call, options)
+    except JobAborted as aborted:  # a signal came first: it is what the caller hears of
+        report = aborted.report
+        if report.stats.stopped_by is None:
+            raise
     if report.stats.stopped_by is not None:
         signal.raise_signal(report.stats.stopped_by)  # handled as the caller would have
     return report

@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 import batchrun
+from batchrun import api
 from batchrun.backends import CompletionRequest, OpenAICompatBackend
 from batchrun.cli import main
 from batchrun.errors import AuthFailed
@@ -440,3 +441,20 @@ def test_arguments_of_the_wrong_kind_are_usage_errors_naming_them(
     (tmp_path / "f").write_text("a file, not a folder")
     with pytest.raises(batchrun.UsageError, match=said):
         call(tmp_path)
+
+
+def test_a_ctrl_c_that_came_before_an_abort_reaches_the_caller_as_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # stopped by Ctrl-C, then aborted while draining: the caller hears KeyboardInterrupt, as
+    # from any stopped sync run, not the abort
+    stats = batchrun.JobReport("j", {"pending": 1}, False, None).stats
+    stats.aborted, stats.stopped_by = "HTTP 401", signal.SIGINT
+    stopped = batchrun.JobAborted(batchrun.JobReport("j", {"pending": 1}, False, None, stats=stats))
+
+    def aborted(call: Any, options: Any) -> batchrun.JobReport:
+        raise stopped
+
+    monkeypatch.setattr(api, "in_new_loop", aborted)
+    with pytest.raises(KeyboardInterrupt):
+        batchrun.submit(rows(1), job="j")
