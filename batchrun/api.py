@@ -290,10 +290,10 @@ def _sync(call: Callable[..., Awaitable[JobReport]], options: Mapping[str, Any])
     the run gracefully, and then reaches the caller through its own handler (or Python's)."""
     try:
         report = in_new_loop(call, options)
-    except JobAborted as aborted:  # a signal came first: it is what the caller hears of
-        report = aborted.report
-        if report.stats.stopped_by is None:
-            raise
+    except JobAborted as aborted:  # a signal came first: the caller hears of it first
+        if aborted.report.stats.stopped_by is not None:
+            signal.raise_signal(aborted.report.stats.stopped_by)
+        raise  # its handler went on (or it is ignored): the abort is still raised
     if report.stats.stopped_by is not None:
         signal.raise_signal(report.stats.stopped_by)  # handled as the caller would have
     return report

@@ -119,11 +119,13 @@ def not_a_name(text: str) -> str | None:
 
 
 def _token_like(text: str) -> bool:
-    """What a random key looks like, and a name made of words rarely does: 16 or more
-    characters with 4 or more digits, or 20 or more in upper and lower case."""
-    digits = sum(ch.isdigit() for ch in text)
-    mixed = not text.isupper() and not text.islower()
-    return len(text) >= 16 and (digits >= 4 or (mixed and len(text) >= 20))
+    """What a random key has, and a name of words joined by `_` does not: a run of 16 or more
+    characters without `_`, in upper and lower case or holding a digit."""
+    return any(
+        len(part) >= 16
+        and (any(ch.isdigit() for ch in part) or part not in (part.upper(), part.lower()))
+        for part in text.split("_")
+    )
 
 
 def shown_endpoint(url: str) -> str:

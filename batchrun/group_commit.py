@@ -60,8 +60,13 @@ async def _collect(
         if group and (len(group) >= MAX_GROUP or clock() - oldest >= interval):
             taken = group[:]
             group.clear()
-            with anyio.CancelScope(shield=True):  # a commit begun is finished
+            try:
                 await commit(taken)
+            except anyio.get_cancelled_exc_class():
+                # cancelled while it waited out a lock or an outage: tried once more with the
+                # rest (recording a result twice changes nothing: the lease guard)
+                group[:0] = taken
+                raise
             continue
         try:  # what is there already, without a timer per result
             result = results.receive_nowait()

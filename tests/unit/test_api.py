@@ -106,6 +106,19 @@ async def test_the_async_twins_run_in_the_callers_event_loop(tmp_path: Path) -> 
     assert done.ok
 
 
+@pytest.mark.parametrize(
+    "name", ["QWEN2_5_72B_API_KEY", "VLLM_KEY_20241205", "Azure_OpenAI_API_Key", "my_key"]
+)
+def test_an_unset_variable_name_of_words_is_a_name_where_a_key_is_optional(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    monkeypatch.delenv(name, raising=False)
+    report = batchrun.submit(
+        rows(1), home=tmp_path, backend="vllm", model="m", api_key_env=name, run=False
+    )
+    assert report.loaded == 1
+
+
 def test_variable_names_of_any_case_are_names(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -443,11 +456,12 @@ def test_arguments_of_the_wrong_kind_are_usage_errors_naming_them(
         call(tmp_path)
 
 
-def test_a_ctrl_c_that_came_before_an_abort_reaches_the_caller_as_itself(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("handler", ["python's", "a flag", "ignored"])
+def test_a_ctrl_c_that_came_before_an_abort_reaches_the_caller_first(
+    monkeypatch: pytest.MonkeyPatch, handler: str
 ) -> None:
-    # stopped by Ctrl-C, then aborted while draining: the caller hears KeyboardInterrupt, as
-    # from any stopped sync run, not the abort
+    # stopped by Ctrl-C, then aborted while draining: the caller's handler hears the signal,
+    # as from any stopped sync run; if it goes on, the abort is still raised
     stats = batchrun.JobReport("j", {"pending": 1}, False, None).stats
     stats.aborted, stats.stopped_by = "HTTP 401", signal.SIGINT
     stopped = batchrun.JobAborted(batchrun.JobReport("j", {"pending": 1}, False, None, stats=stats))
@@ -456,5 +470,12 @@ def test_a_ctrl_c_that_came_before_an_abort_reaches_the_caller_as_itself(
         raise stopped
 
     monkeypatch.setattr(api, "in_new_loop", aborted)
-    with pytest.raises(KeyboardInterrupt):
-        batchrun.submit(rows(1), job="j")
+    heard: list[int] = []
+    handlers = {"a flag": lambda signum, _frame: heard.append(signum), "ignored": signal.SIG_IGN}
+    old = signal.signal(signal.SIGINT, handlers.get(handler, signal.default_int_handler))
+    try:
+        with pytest.raises(KeyboardInterrupt if handler == "python's" else batchrun.JobAborted):
+            batchrun.submit(rows(1), job="j")
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert heard == ([signal.SIGINT] if handler == "a flag" else [])

@@ -379,12 +379,14 @@ def test_log_times_are_utc_to_the_millisecond_and_follow_the_clock() -> None:
 
 
 class GoneLedger(Ledger):
-    """A PostgreSQL server that goes away the moment the caller cancels the run."""
+    """A PostgreSQL server that goes away when told to: its records fail, counted."""
 
     gone = False
+    tries = 0
 
     def record(self, *args: Any, **kwargs: Any) -> Any:
         if self.gone:
+            self.tries += 1
             raise LedgerError("server closed the connection", out_of_reach=True)
         return super().record(*args, **kwargs)
 
@@ -429,3 +431,49 @@ async def test_a_cancel_while_the_ledger_is_out_of_reach_is_not_held_for_the_out
         )
         raise AssertionError("not cancelled")
     assert fake.now - cancelled_at[0] < 60.0  # the clock the runner waits by
+
+
+@pytest.mark.anyio
+async def test_a_cancel_during_a_commit_that_waits_out_an_outage_is_not_held(
+    tmp_path: Path,
+) -> None:
+    # a commit already waiting out the outage when the cancel comes (the usual case, with a
+    # commit every moment) stops waiting: one more try, not an hour of them
+    home = Home.at(tmp_path, None)
+    ledger = GoneLedger(home.ledger_url)
+    write_prompts(tmp_path / "in.jsonl", 200)
+    spec = resolve({"backend": "sim", "concurrency": 2, "outage_timeout": 3600.0})
+    jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
+    fake = FakeTime()
+    settings = RunnerSettings(sleep=fake.sleep, clock=fake.clock, commit_interval=0.0)
+    sim = SimTransport(SimModel())
+    answered, tries_at_cancel = 0, []
+
+    async def counted(request: httpx.Request) -> httpx.Response:
+        nonlocal answered
+        response = await sim.handle_async_request(request)
+        answered += request.method == "POST"
+        return response
+
+    async def stop_in_the_outage(scope: anyio.CancelScope) -> None:
+        while answered < 10:
+            await anyio.sleep(0.001)
+        ledger.gone = True
+        while ledger.tries < 2:  # a commit is waiting the outage out
+            await anyio.sleep(0.001)
+        tries_at_cancel.append(ledger.tries)
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stop_in_the_outage, tg.cancel_scope)
+        await jobs.run_job(
+            ledger,
+            home,
+            "j",
+            spec,
+            transport=httpx.MockTransport(counted),
+            settings=settings,
+            handle_signals=False,
+        )
+        raise AssertionError("not cancelled")
+    assert ledger.tries - tries_at_cancel[0] <= 2
