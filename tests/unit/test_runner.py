@@ -391,63 +391,21 @@ class GoneLedger(Ledger):
         return super().record(*args, **kwargs)
 
 
-@pytest.mark.anyio
-async def test_a_cancel_while_the_ledger_is_out_of_reach_is_not_held_for_the_outage_grace(
-    tmp_path: Path,
-) -> None:
-    # the cancel tries its commit once: the answers are sent again at resume, not held for
-    # --outage-timeout (an hour here); nor does a claim that was in its thread at the cancel
-    # raise BrokenResourceError out of the run (a hostile review of 4 December found both)
+async def cancelled_in_an_outage(
+    tmp_path: Path, *, commit_interval: float, failed_first: int
+) -> tuple[GoneLedger, FakeTime, float, int]:
+    """A job run until 10 answers came; then the ledger goes away and, once `failed_first`
+    records have failed, the caller cancels the run (a notebook's stop). The ledger, the
+    runner's clock, and that clock and the failed records at the cancel."""
     home = Home.at(tmp_path, None)
     ledger = GoneLedger(home.ledger_url)
     write_prompts(tmp_path / "in.jsonl", 200)
     spec = resolve({"backend": "sim", "concurrency": 2, "outage_timeout": 3600.0})
     jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
     fake = FakeTime()
-    settings = RunnerSettings(sleep=fake.sleep, clock=fake.clock, commit_interval=1e6)
+    settings = RunnerSettings(sleep=fake.sleep, clock=fake.clock, commit_interval=commit_interval)
     sim = SimTransport(SimModel())
-    answered = 0
-
-    async def counted(request: httpx.Request) -> httpx.Response:
-        nonlocal answered
-        response = await sim.handle_async_request(request)
-        answered += request.method == "POST"
-        return response
-
-    transport = httpx.MockTransport(counted)
-    cancelled_at: list[float] = []
-
-    async def stop_after_answers(scope: anyio.CancelScope) -> None:
-        while answered < 10:
-            await anyio.sleep(0.001)
-        ledger.gone = True
-        cancelled_at.append(fake.now)
-        scope.cancel()  # a notebook's stop
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(stop_after_answers, tg.cancel_scope)
-        await jobs.run_job(
-            ledger, home, "j", spec, transport=transport, settings=settings, handle_signals=False
-        )
-        raise AssertionError("not cancelled")
-    assert fake.now - cancelled_at[0] < 60.0  # the clock the runner waits by
-
-
-@pytest.mark.anyio
-async def test_a_cancel_during_a_commit_that_waits_out_an_outage_is_not_held(
-    tmp_path: Path,
-) -> None:
-    # a commit already waiting out the outage when the cancel comes (the usual case, with a
-    # commit every moment) stops waiting: one more try, not an hour of them
-    home = Home.at(tmp_path, None)
-    ledger = GoneLedger(home.ledger_url)
-    write_prompts(tmp_path / "in.jsonl", 200)
-    spec = resolve({"backend": "sim", "concurrency": 2, "outage_timeout": 3600.0})
-    jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
-    fake = FakeTime()
-    settings = RunnerSettings(sleep=fake.sleep, clock=fake.clock, commit_interval=0.0)
-    sim = SimTransport(SimModel())
-    answered, tries_at_cancel = 0, []
+    answered, at_cancel = 0, []
 
     async def counted(request: httpx.Request) -> httpx.Response:
         nonlocal answered
@@ -459,21 +417,37 @@ async def test_a_cancel_during_a_commit_that_waits_out_an_outage_is_not_held(
         while answered < 10:
             await anyio.sleep(0.001)
         ledger.gone = True
-        while ledger.tries < 2:  # a commit is waiting the outage out
+        while ledger.tries < failed_first:
             await anyio.sleep(0.001)
-        tries_at_cancel.append(ledger.tries)
+        at_cancel.append((fake.now, ledger.tries))
         scope.cancel()
 
+    transport = httpx.MockTransport(counted)
     async with anyio.create_task_group() as tg:
         tg.start_soon(stop_in_the_outage, tg.cancel_scope)
         await jobs.run_job(
-            ledger,
-            home,
-            "j",
-            spec,
-            transport=httpx.MockTransport(counted),
-            settings=settings,
-            handle_signals=False,
+            ledger, home, "j", spec, transport=transport, settings=settings, handle_signals=False
         )
         raise AssertionError("not cancelled")
-    assert ledger.tries - tries_at_cancel[0] <= 2
+    ((now, tries),) = at_cancel
+    return ledger, fake, now, tries
+
+
+@pytest.mark.parametrize(
+    ("commit_interval", "failed_first"),
+    [(1e6, 0), (0.0, 2)],
+    ids=["between commits", "during a commit"],
+)
+@pytest.mark.anyio
+async def test_a_cancel_while_the_ledger_is_out_of_reach_is_not_held_for_the_outage_grace(
+    tmp_path: Path, commit_interval: float, failed_first: int
+) -> None:
+    # the cancel tries its commit once, and stops a commit that was waiting the outage out
+    # (the usual case, with a commit every moment): the answers are sent again at resume, not
+    # held for --outage-timeout (an hour here); nor does a claim that was in its thread at the
+    # cancel raise BrokenResourceError out of the run (hostile reviews of 4 December)
+    ledger, fake, now, tries = await cancelled_in_an_outage(
+        tmp_path, commit_interval=commit_interval, failed_first=failed_first
+    )
+    assert fake.now - now < 60.0  # the clock the runner waits by
+    assert ledger.tries - tries <= 2  # one more try, not an hour of them
