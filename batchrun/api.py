@@ -33,7 +33,7 @@ from batchrun.ledger import IngestReport, Job, Ledger, left, shown_url
 from batchrun.outputs import FORMATS, Result, result_of
 from batchrun.progress import ProgressUpdate
 from batchrun.report import JobAborted, JobReport, checked
-from batchrun.row_input import write_rows
+from batchrun.row_input import rows_job, write_rows
 from batchrun.run_state import RunStats
 from batchrun.status_view import job_detail, jobs_table
 
@@ -65,13 +65,15 @@ async def submit_async(
     The same input under the same job name resumes that job instead. Rows are written to
     HOME/inputs/ first (so a resume reads the same file); rows with no `job` name are named
     from their content and the options that shape the requests (model, sampling, schema,
-    endpoint). With `run=False` the job is loaded and nothing is sent. `handle_signals`: a
+    endpoint; where `gc` collected that job, the next name it did not: `-2`, `-3`...). With
+    `run=False` the job is loaded and nothing is sent. `handle_signals`: a
     Ctrl-C or SIGTERM stops the run gracefully (main thread only; the sync verbs set it)."""
     where = _home(home, ledger)
     layers = _layers(spec, options)
     path, name = await anyio.to_thread.run_sync(_input, source, where, job, layers)
+    named_here = job is None and not isinstance(source, (str, os.PathLike))
     with _ledger(where) as led:
-        existing = led.get_job(name)
+        name, existing = rows_job(led, name) if named_here else (name, led.get_job(name))
         run_spec = verbs.resolve_for_job(existing, *layers, endpoint_required=run)
         loaded = rejected = None
         if existing is None:

@@ -54,7 +54,8 @@ def summary_line(report: JobReport) -> str:
         )
     if stats.reused or stats.duplicates:
         text += f" | {stats.reused} reused from earlier jobs"
-        text += f", {stats.duplicates} repeated lines answered once" if stats.duplicates else ""
+        if stats.duplicates:  # marked before the run: whether it then answered them is above
+            text += f", {stats.duplicates} repeated lines take their first line's answer"
     if report.workers > 1:
         text += f" | {report.workers} workers"
     if stats.batches or stats.batch_tokens:

@@ -387,6 +387,13 @@ def _validate(spec: RunSpec, preset: Preset | None) -> None:
         raise OptionError("{lease} must be at least 1 second")
     if spec.max_cost is not None and spec.price_in is None and spec.price_out is None:
         raise OptionError("{max_cost} needs {price_in} and {price_out} (per million tokens)")
+    budget = "max_total_tokens" if spec.max_total_tokens is not None else "max_cost"
+    if getattr(spec, budget) is not None and spec.max_tokens is None:
+        # an answer's length bounds what a request may cost: without it no estimate holds
+        raise OptionError(
+            f"{{{budget}}} needs {{max_tokens}}: without it an answer's length has no bound, "
+            "and one answer could pass the budget (a line's own max_tokens still wins)"
+        )
     for name in ("max_cost", "price_in", "price_out"):
         if (getattr(spec, name) or 0) < 0:
             raise OptionError(f"{{{name}}} must be 0 or more")

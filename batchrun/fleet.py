@@ -35,16 +35,9 @@ from typing import Any
 
 import anyio
 
-from batchrun.errors import (
-    EmptyStream,
-    EndpointDown,
-    FatalError,
-    RequestError,
-    StreamCut,
-    TransientError,
-)
+from batchrun.errors import EndpointDown, FatalError, RateLimited, RequestError, TransientError
 from batchrun.lanes import PROBE_FIRST_S, EndpointUse, Lane
-from batchrun.retrying import Clock, looks_like_outage
+from batchrun.retrying import Clock, endpoint_failure
 
 PROBE_MOST_S = 30.0
 AFFINITY_GROUPS = 4096  # prefix groups whose lane is remembered
@@ -68,22 +61,6 @@ class _Waiter:
     group: int | None
     key: Hashable = None  # its item
     event: anyio.Event = field(default_factory=anyio.Event)
-
-
-def _endpoint_failure(exc: RequestError) -> bool:
-    """Failures that an endpoint going down gives the requests it has in flight: refused or
-    reset connections, timeouts, 5xx, and answers cut off mid-stream."""
-    if not isinstance(exc, TransientError):
-        return False
-    cut = isinstance(exc, StreamCut) and not isinstance(exc, EmptyStream)
-    return cut or looks_like_outage(exc)
-
-
-def _load(lane: Lane) -> tuple[float, float]:
-    """Slots taken (on the wire or waiting for the pacer) per unit of weight, then requests
-    sent so far per unit of weight (idle endpoints take turns)."""
-    weight = lane.route.weight or 1.0
-    return ((lane.throttle.busy + 1) / weight, lane.sent / weight)
 
 
 class Fleet:
@@ -138,7 +115,7 @@ class Fleet:
         came = True
         while True:
             self.check()
-            queued = came and (self._waiters or self._woken)
+            queued = came and self._queued()
             lane = None if queued else self._take(group, self._refusers(key))
             if lane is not None:
                 lane.sent += 1
@@ -163,6 +140,17 @@ class Fleet:
                 else:
                     self._waiters.remove(waiter)
 
+    def _queued(self) -> bool:
+        """Whether a request that comes now waits behind the waiters: while one was woken, or
+        may take a slot free now. A slot that every waiter was refused on (no wake-up comes
+        for it: _room) goes to whoever comes, or its lane would stand idle behind them."""
+        if self._woken or not self._waiters:
+            return bool(self._woken)
+        up = self.lanes if self._refused else ()
+        free = [lane for lane in up if lane.state == "up" and lane.throttle.free]
+        refusers = self._refusers
+        return not free or any(lane not in refusers(w.key) for w in self._waiters for lane in free)
+
     def _refusers(self, key: Hashable) -> Collection[Lane]:
         """The lanes an item is kept from: those that refused it, unless no other lane may
         answer it any more (then it goes to one that refused it, and fails there unless it
@@ -177,7 +165,7 @@ class Fleet:
         (outages handled, not past the grace)."""
         if lane.state == "up" or (lane.state == "down" and lane.refusing):
             return True
-        return lane.state == "down" and self.grace > 0 and not self._lost(lane, self.clock())
+        return lane.state == "down" and self.grace > 0 and not lane.lost(self.clock(), self.grace)
 
     def _take(self, group: int | None, refused: Collection[Lane]) -> Lane | None:
         now = self.clock()
@@ -198,10 +186,11 @@ class Fleet:
                 up = [lane for lane in down if lane.refusing]
         if any(lane.route.weight > 0 for lane in up):  # weight 0: a fallback
             up = [lane for lane in up if lane.route.weight > 0]
+        up = [lane for lane in up if lane.rests_until <= now] or up  # after a 429: others first
         preferred = self._affinity.get(group) if group is not None else None
         if preferred is not None and preferred in up and preferred.throttle.take():
             return preferred
-        for lane in sorted(up, key=_load):
+        for lane in sorted(up, key=Lane.load):
             if lane.throttle.take():
                 return lane
         return None
@@ -214,7 +203,8 @@ class Fleet:
         down = [lane for lane in self.lanes if lane.state == "down"]
         now = self.clock()
         due = [lane.probe_at - now for lane in down if lane.probe is None]
-        return max(0.01, min([*due, PROBE_FIRST_S])) if down else None
+        due += [lane.rests_until - now for lane in self.lanes if lane.rests_until > now]
+        return max(0.01, min([*due, PROBE_FIRST_S] if down else due)) if due or down else None
 
     def _room(self, lane: Lane) -> None:
         """A slot came free on `lane` (or its limit rose): wake one waiter that may take it,
@@ -258,7 +248,7 @@ class Fleet:
         """A request on `lane` ended (before the retry policy hears of it). Any answer from
         the server, an error status too, says it is reachable: a lane that was down is up
         again. A probe that failed to reach it comes due again later, twice as late."""
-        answered = isinstance(error, RequestError) and not _endpoint_failure(error)
+        answered = isinstance(error, RequestError) and not endpoint_failure(error)
         if answered:  # an error status: an outage, if one follows, starts after it
             lane.outage.reached()
         if self.only is not None:
@@ -302,14 +292,24 @@ class Fleet:
             lane.refusing, lane.reason = False, lane.outage.last_error
         if free:
             return True
-        if not _endpoint_failure(exc) or lane.outage.suspect(key):
+        limited = isinstance(exc, RateLimited)  # the endpoint's limit, not the line's fault
+        if limited:
+            lane.rests_until = max(lane.rests_until, self.clock() + (exc.retry_after or 1.0))
+        elif not endpoint_failure(exc) or lane.outage.suspect(key):
             return False
         if self._free[key] >= FREE_TRIES * len(self.lanes):
             return False  # it fails wherever it goes: its own fault, its attempts count
-        if any(other.state == "up" for other in self.lanes if other is not lane):
+        if any(self._takes(other, key, limited) for other in self.lanes if other is not lane):
             self._free[key] += 1
             return True
         return False
+
+    def _takes(self, lane: Lane, key: Hashable, awake: bool = True) -> bool:
+        """Whether `lane` takes the item another failed: it is up, has not refused it, and
+        (if `awake`) is not resting after a 429 of its own."""
+        if lane.state != "up" or lane in self._refused.get(key, ()):
+            return False
+        return not awake or lane.rests_until <= self.clock()
 
     def resend_now(self, key: Hashable) -> bool:
         """Whether the item's next try should go at once: its lane refused it, or is down or
@@ -319,11 +319,9 @@ class Fleet:
         if self._sent_to.get(key) in self._refused.get(key, ()):  # its latest lane refused it
             return True
         lane = self._sent_to.get(key)
-        return (
-            lane is not None
-            and lane.state != "up"
-            and any(other.state == "up" for other in self.lanes)
-        )
+        if lane is None or self._takes(lane, key):
+            return False
+        return any(self._takes(other, key) for other in self.lanes if other is not lane)
 
     @property
     def down(self) -> bool:
@@ -340,7 +338,7 @@ class Fleet:
         if self.grace <= 0:
             return
         now = self.clock()
-        lost = [lane for lane in live if self._lost(lane, now)]
+        lost = [lane for lane in live if lane.lost(now, self.grace)]
         # the lanes drained for refusing lines are no reason to go on without the others
         if lost and len(lost) + sum(lane.refusing for lane in live) == len(live):
             errors = "; ".join(
@@ -350,16 +348,6 @@ class Fleet:
             raise EndpointDown(
                 f"every endpoint unreachable for over {self.grace:g}s; last errors: {errors}"
             )
-
-    def _lost(self, lane: Lane, now: float) -> bool:
-        """Down for an outage, past the grace period."""
-        since = lane.outage.down_since
-        return (
-            lane.state == "down"
-            and not lane.refusing
-            and since is not None
-            and (now - since > self.grace)
-        )
 
     def forget(self, key: Hashable) -> None:
         """The item is over (a result, or given up): nothing about it is kept."""

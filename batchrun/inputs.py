@@ -65,9 +65,37 @@ class ReadStats:
 
 
 def canonical_digest(defaults: dict[str, Any], body: dict[str, Any]) -> str:
-    """sha256 of the request body as it is sent: defaults overridden by the line, keys sorted."""
+    """sha256 of the request body as it is sent: defaults overridden by the line, in its
+    canonical form (canonical_json)."""
     merged = {**defaults, **body} if defaults else body
-    return hashlib.sha256(orjson.dumps(merged, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    return hashlib.sha256(canonical_json(merged)[0]).hexdigest()
+
+
+def canonical_json(body: dict[str, Any]) -> tuple[bytes, bool]:
+    """A request as one request is written whatever the order of its keys (lines that differ
+    only in it are one request: dedup, reuse), and whether that is how it must be sent.
+
+    Keys are sorted, except those of a schema's `properties`: guided decoding (vLLM, SGLang,
+    llama.cpp, OpenAI's structured outputs) writes an answer's fields in the order its schema
+    lists them, so "reasoning" before "answer" is another request than the reverse. A body
+    that holds no such object (the usual line: its sorted form is its only form) is dumped
+    once, in C; one that does is rebuilt in Python, keeping those keys' order, and is sent
+    as written (False)."""
+    ordered = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+    if b'"properties"' not in ordered:
+        return ordered, True
+    return orjson.dumps(_sorted_but_properties(body)), False
+
+
+def _sorted_but_properties(value: Any, *, keep: bool = False) -> Any:
+    """`value` with every object's keys sorted, but for the objects under a `properties` key
+    (`keep`), whose keys stay in the order written."""
+    if isinstance(value, dict):
+        keys = value if keep else sorted(value)
+        return {k: _sorted_but_properties(value[k], keep=k == "properties") for k in keys}
+    if isinstance(value, list):
+        return [_sorted_but_properties(v) for v in value]
+    return value
 
 
 def file_digest(path: Path) -> str:
@@ -174,14 +202,16 @@ class InputReader:
         if may_hold_nul or self.max_input_chars is not None or self.max_input_tokens is not None:
             self._check_size(body)
         try:
-            body_json = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+            body_json, as_sent = canonical_json(body)
             meta_json = orjson.dumps(meta) if meta else None
         except TypeError as exc:  # e.g. lone surrogates cannot be encoded back
             raise _LineProblem(f"cannot be re-encoded as JSON: {exc}") from None
         if self.defaults:
             digest = canonical_digest(self.defaults, body)
-        else:  # the stored body already is the canonical form
+        else:
             digest = hashlib.sha256(body_json).hexdigest()
+        if not as_sent:  # a schema's properties: sent in the order written
+            body_json = orjson.dumps(body)
         prefix = prefix_key(body) if self.prefixes else None
         return InputItem(number, item_id, endpoint, body_json, digest, meta_json, prefix)
 

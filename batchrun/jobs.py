@@ -195,6 +195,7 @@ def _reuse(ledger: Ledger, name: str, spec: RunSpec, log: JobLog) -> tuple[int, 
     """Before sending: repeated lines wait for their first line's answer, and earlier jobs'
     answers to the same requests are copied (both off with --no-reuse). (waiting, reused)."""
     if not spec.reuse:
+        ledger.forget_duplicates(name)  # marked by a run before: every line is sent
         return 0, 0
     started = time.perf_counter()
     joining = Joining(spec.to_json(), ANSWER_FIELDS, spec.lease)  # refused: nothing copied
@@ -357,8 +358,8 @@ async def _batches_first(
         return None
     log = JobLog(home.log_path(name), name, redact=spec.redact)
     try:
-        await anyio.to_thread.run_sync(_reuse, ledger, name, spec, log)
-        return await batch_mode.run_batches(
+        waiting, reused = await anyio.to_thread.run_sync(_reuse, ledger, name, spec, log)
+        stats = await batch_mode.run_batches(
             ledger,
             name,
             spec,
@@ -367,6 +368,8 @@ async def _batches_first(
             transport=transport,
             handle_signals=handle_signals,
         )
+        stats.reused, stats.duplicates = reused, waiting
+        return stats
     finally:
         log.close()
 

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 
 from batchrun.backends import Backend
-from batchrun.config import RunSpec
+from batchrun.config import RunSpec, preset_for
 from batchrun.retrying import OutageWatch
 from batchrun.server_metrics import ServerLoad
 from batchrun.throttle import Throttle
@@ -25,6 +25,11 @@ class Route:
     backend: Backend
     weight: float = 1.0
     server_load: Callable[[], Awaitable[ServerLoad | None]] | None = None
+
+    @property
+    def guided_style(self) -> str:
+        """How its server takes a schema to decode by (its preset's: llama.cpp's own shape)."""
+        return preset_for(self.spec).guided_style
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class Lane:
     refusal: str = ""  # the latest refusal's error
     refusals: int = 0  # lines it refused that others then answered, since its last answer
     refusing = False  # down for refusing (REFUSALS_TO_DRAIN): only an answer brings it back
+    rests_until = 0.0  # after a 429: others are sent to first until then (its Retry-After)
 
     @property
     def name(self) -> str:
@@ -64,6 +70,18 @@ class Lane:
     @property
     def backend(self) -> Backend:
         return self.route.backend
+
+    def lost(self, now: float, grace: float) -> bool:
+        """Down for an outage, past the grace period."""
+        since = self.outage.down_since
+        down = self.state == "down" and not self.refusing
+        return down and since is not None and now - since > grace
+
+    def load(self) -> tuple[float, float]:
+        """Slots taken (on the wire or waiting for the pacer) per unit of weight, then requests
+        sent so far per unit of weight (idle endpoints take turns)."""
+        weight = self.route.weight or 1.0
+        return ((self.throttle.busy + 1) / weight, self.sent / weight)
 
     def use(self) -> EndpointUse:
         return EndpointUse(

@@ -20,9 +20,12 @@ from tenacity.wait import wait_random_exponential
 
 from batchrun.errors import (
     ConnectionFailed,
+    EmptyStream,
     EndpointDown,
     Overloaded,
+    RequestError,
     RequestTimeout,
+    StreamCut,
     TransientError,
 )
 
@@ -127,6 +130,15 @@ def looks_like_outage(exc: TransientError) -> bool:
     if isinstance(exc, (ConnectionFailed, RequestTimeout)):
         return True
     return isinstance(exc, Overloaded) and exc.status in OUTAGE_STATUSES
+
+
+def endpoint_failure(exc: RequestError) -> bool:
+    """Failures that an endpoint going down gives the requests it has in flight: refused or
+    reset connections, timeouts, 5xx, and answers cut off mid-stream."""
+    if not isinstance(exc, TransientError):
+        return False
+    cut = isinstance(exc, StreamCut) and not isinstance(exc, EmptyStream)
+    return cut or looks_like_outage(exc)
 
 
 class Outages(Protocol):

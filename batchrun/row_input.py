@@ -14,6 +14,7 @@ import orjson
 
 from batchrun.config import ANSWER_FIELDS
 from batchrun.errors import UsageError
+from batchrun.ledger import Job, Ledger
 
 # Options that change what is asked, or of whom: rows submitted again with other values are
 # another job (`endpoints` names each endpoint's model; the simulator's options its answers).
@@ -72,3 +73,16 @@ def _line(number: int, row: Any) -> bytes:
         return orjson.dumps(dict(row), option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
     except TypeError as exc:
         raise UsageError(f"row {number} cannot be written as JSON: {exc}") from None
+
+
+def rows_job(led: Ledger, name: str) -> tuple[str, Job | None]:
+    """The name batchrun gave rows, and its job; where `gc` collected that job, the next name
+    it did not collect (`-2`, `-3`...): the same call on a later night runs, and its unchanged
+    rows take the answers `gc` kept."""
+    base, n = name, 1
+    while (found := led.get_job(name)) is not None:
+        if not found.collected(sum(led.counts(name).values())):
+            break
+        n += 1
+        name = f"{base}-{n}"
+    return name, found

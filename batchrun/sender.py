@@ -10,11 +10,13 @@ said once in the log).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
 from batchrun.backends import Completion, CompletionRequest
+from batchrun.budget import BudgetReached
 from batchrun.errors import BadRequest, FatalError, NotFound, PermanentError, RequestError
 from batchrun.fleet import Fleet, Rerouted
 from batchrun.inputs import estimate_tokens
@@ -51,7 +53,7 @@ class Sender:
         self.stats = stats
         self.settings = settings
         self._fatal = on_fatal
-        self._warming: dict[int, anyio.Event] = {}  # line -> set once its prefill is done
+        self._warming: dict[int, Lead] = {}  # a group's first line, while its request is on
         self.warm_groups = True  # a group's later lines wait for its first (prefix order)
         # The run's stop: a request not yet sent by then is not sent (the runner's own event).
         self.stopping = anyio.Event()
@@ -63,20 +65,24 @@ class Sender:
         A prefix group's later lines wait until its first line's request has its first token
         (or has ended), if that request is under way here: the engine then computes the
         shared prefix once and the rest find it cached, instead of a whole wave of requests
-        each computing it cold at once (llama-server's slots do not share their caches)."""
+        each computing it cold at once (llama-server's slots do not share their caches).
+        With several endpoints only the lines sent where the first line went wait, holding
+        their slots there: the others go elsewhere at once, and a first line that hangs
+        holds up only the slots its group would have used on that endpoint."""
         try:
             if not self.warm_groups:
-                return await self._process(item, None)
+                return await self._process(item, None, None)
             if item.group is not None and item.group != item.line:
                 first = self._warming.get(item.group)
-                if first is not None:
-                    await first.wait()
-                return await self._process(item, None)
-            warm = self._warming[item.line] = anyio.Event()  # maybe a group's first line
+                if first is not None and self.fleet.only is not None:
+                    await first.done.wait()  # one endpoint: before a slot is taken
+                    first = None
+                return await self._process(item, None, first)
+            warm = self._warming[item.line] = Lead()  # maybe a group's first line
             try:
-                return await self._process(item, warm)
+                return await self._process(item, warm, None)
             finally:
-                warm.set()
+                warm.done.set()
                 del self._warming[item.line]
         except _Stopped:
             return None
@@ -84,7 +90,9 @@ class Sender:
             if self.fleet.only is None:
                 self.fleet.forget(item.line)
 
-    async def _process(self, item: ClaimedItem, warm: anyio.Event | None) -> ItemResult | None:
+    async def _process(
+        self, item: ClaimedItem, warm: Lead | None, first: Lead | None
+    ) -> ItemResult | None:
         body = {**self.defaults, **item.body}
         plan = self.rules.plan(item.endpoint, body)
         summary = None if self.log.redact else input_summary(body)
@@ -129,13 +137,20 @@ class Sender:
             return completion
 
         async def send(lane: Lane) -> Completion:
-            request = CompletionRequest(item.endpoint, self._body(plan.request(), lane, item))
+            body = self._body(plan.request(lane.route.guided_style), lane, item)
+            request = CompletionRequest(item.endpoint, body)
             prompt, most = estimate_split(request.body)
             taken = lane is not fleet.only
-            async with lane.throttle.slot(prompt + most, prompt_tokens=prompt, taken=taken) as slot:
+            if warm is not None:
+                warm.lane = lane
+            after = first.done if first is not None and first.lane is lane else None
+            estimate = prompt + most
+            async with lane.throttle.slot(
+                estimate, prompt_tokens=prompt, taken=taken, after=after
+            ) as slot:
                 if self.stopping.is_set():  # it waited for its slot, or to retry, past a stop
                     raise _Stopped
-                slot.warm = warm  # set at its first token: its group's other lines may go
+                slot.warm = warm.done if warm is not None else None  # first token: the rest go
                 # Counted when sent (every request sent gets its attempt line); a retry is the
                 # same request again (repairs are new requests, not retries).
                 self.stats.requests += 1
@@ -156,6 +171,8 @@ class Sender:
                             raise Rerouted(f"{lane.name} refused it: {exc}") from None
                         if own:  # every endpoint refused the line: it fails, not the job
                             raise PermanentError(str(exc)) from None
+                    if own and fleet.left_out:  # the one endpoint left of several: the same
+                        raise PermanentError(str(exc)) from None
                     raise
                 except anyio.get_cancelled_exc_class():  # a second Ctrl-C: stopped unanswered
                     log_attempt("cancelled", error="the run was stopped before the answer came")
@@ -186,6 +203,13 @@ class Sender:
                 completion = await self.policy.call(attempt, key=item.line)
             except FatalError as exc:
                 self._fatal(exc)
+                # A budget that refused a follow-up (a repair, a longer retry): the answer
+                # already paid for stands, as when a follow-up fails; sent again, it would be
+                # paid for again.
+                refused = isinstance(exc, BudgetReached)
+                kept = plan.give_up(str(exc), sent=False) if refused else None
+                if kept is not None and plan.last is not None:
+                    return self._result(item, attempts, plan.last, kept, plan, lane)
                 return None
             except RequestError as exc:
                 if isinstance(exc, BadRequest) and guided and not plan.unguided:
@@ -285,6 +309,15 @@ def _completion_of(previous: dict[str, Any]) -> Completion:
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 1)
+
+
+@dataclass(eq=False)
+class Lead:
+    """A prefix group's first line while its request is under way: `done` is set at its first
+    token (or its end), and `lane` is where it went."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    lane: Lane | None = None
 
 
 class _Stopped(Exception):

@@ -91,6 +91,7 @@ class AnswerPlan:
         # What a budget charged, as estimates, for its requests that came with no usage.
         self.estimated: tuple[int, int] = (0, 0)
         self.last: Completion | None = None  # the latest answer, kept if a follow-up fails
+        self.repairing = False  # the follow-up that judge asked for is a repair
 
     @property
     def guided(self) -> bool:
@@ -102,19 +103,18 @@ class AnswerPlan:
             and self._key not in self.rules.refused
         )
 
-    def request(self) -> dict[str, Any]:
-        """The body of the next request to send for this item."""
+    def request(self, style: str | None = None) -> dict[str, Any]:
+        """The body of the next request to send for this item; a schema in `style` (the
+        endpoint's, with several), else the job's."""
         if not self.guided:
             return self._body
         assert self.schema is not None and self.rules.guided_style is not None
-        return {
-            **self._body,
-            "response_format": response_format(self.rules.guided_style, self.schema),
-        }
+        fmt = response_format(style or self.rules.guided_style, self.schema)
+        return {**self._body, "response_format": fmt}
 
     def judge(self, completion: Completion) -> Outcome | None:
         """The answer's verdict, or None when another request should be sent (see request())."""
-        self.last = completion
+        self.last, self.repairing = completion, False
         if self.repairs:
             self.repair_prompt_tokens += completion.prompt_tokens or 0
             self.repair_completion_tokens += completion.completion_tokens or 0
@@ -132,18 +132,21 @@ class AnswerPlan:
             return Outcome("done", verdict.parsed, None)
         assert verdict.error is not None and self.schema is not None
         if completion.finish_reason != "length" and self.repairs < self.rules.repair_attempts:
-            self.repairs += 1
+            self.repairs, self.repairing = self.repairs + 1, True
             self._body = repair_body(
                 self.endpoint, self._body, completion.text, verdict.error, self.schema
             )
             return None
         return Outcome("invalid", verdict.parsed, verdict.error)
 
-    def give_up(self, error: str) -> Outcome | None:
+    def give_up(self, error: str, *, sent: bool = True) -> Outcome | None:
         """A follow-up (repair, longer retry) failed: the last answer stands, judged as it is.
-        None when there is no answer yet (the item's own request failed)."""
+        None when there is no answer yet (the item's own request failed). `sent` False: the
+        follow-up never went (a budget refused it), and a repair not sent is not counted."""
         if self.last is None:
             return None
+        if not sent and self.repairing:
+            self.repairs, self.repairing = self.repairs - 1, False
         if self.check is None:
             return Outcome("done", None, None)
         verdict = self.check.check(self.last.text, self.last.finish_reason)

@@ -90,17 +90,32 @@ class Throttle:
         """The concurrency limit (the slots open now may be fewer: controller.admitted)."""
         return self.controller.limit if self.controller else int(self._slots.total_tokens)
 
-    def slot(self, estimated_tokens: int, *, prompt_tokens: int = 0, taken: bool = False) -> Slot:
+    def slot(
+        self,
+        estimated_tokens: int,
+        *,
+        prompt_tokens: int = 0,
+        taken: bool = False,
+        after: anyio.Event | None = None,
+    ) -> Slot:
         """`async with throttle.slot(n) as slot`: wait for a free slot and the pacer's go
         (and the budget's, with one: BudgetReached when this request would pass it), then
         hold the slot while the request runs. `prompt_tokens`: the estimate's prompt part;
-        `taken`: the slot was taken already (`take`)."""
-        return Slot(self, estimated_tokens, prompt_tokens, taken)
+        `taken`: the slot was taken already (`take`); `after`: the slot, once had, waits for
+        it first (a prefix group's first line: its prefix cached here)."""
+        slot = Slot(self, estimated_tokens, prompt_tokens, taken)
+        slot.after = after
+        return slot
 
     @property
     def busy(self) -> int:
         """Slots taken: requests on the wire, and those waiting for the pacer's go."""
         return int(self._slots.borrowed_tokens)
+
+    @property
+    def free(self) -> bool:
+        """Whether a slot is free now (`take` would have it)."""
+        return self._slots.available_tokens >= 1
 
     def take(self) -> bool:
         """Take a free slot now, for a `slot(..., taken=True)` by the same task; False when
@@ -167,6 +182,7 @@ class Slot:
         self.sent_in_flight = 0  # set when it takes its slot
         self.sent_at_limit = 0
         self.warm: anyio.Event | None = None  # set at the first token, or when it ends
+        self.after: anyio.Event | None = None  # waited for once the slot is had
         self._streaming = False  # its first token has come
 
     async def __aenter__(self) -> Slot:
@@ -174,6 +190,8 @@ class Slot:
         if not self._taken and not t.take():  # a free one without a trip through the loop
             await t._slots.acquire()
         try:
+            if self.after is not None:
+                await self.after.wait()
             wait = t.pacer.wait(t.clock(), self._estimate)
             if wait > 0:
                 await t._sleep(wait)

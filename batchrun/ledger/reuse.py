@@ -20,7 +20,17 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
-from sqlalchemy import Connection, and_, bindparam, exists, func, literal, select, update
+from sqlalchemy import (
+    Connection,
+    and_,
+    bindparam,
+    delete,
+    exists,
+    func,
+    literal,
+    select,
+    update,
+)
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import FromClause
 
@@ -41,6 +51,9 @@ COPIED = (
     "error",
     "answered_by",
 )
+# A copy is not a source: it is not an answer a request made, whatever the row held before (a
+# line that once failed under other options keeps their `answer_spec` until it is done again).
+NOT_A_SOURCE: dict[str, Any] = {"answer_spec": None}
 
 
 # Rows read at a time, and written per statement, where a job's lines are looked over: a pass
@@ -89,6 +102,18 @@ def _wait(conn: Connection, job: str, waits: list[tuple[int, int]]) -> int:
     return len(waits)
 
 
+def forget_duplicates(conn: Connection, job: str) -> int:
+    """Pending lines that wait for another line's answer wait no more (--no-reuse: each is
+    sent); how many."""
+    marked = and_(items.c.job == job, items.c.status == "pending", items.c.dup_of.is_not(None))
+    conn.execute(
+        delete(waiting).where(
+            waiting.c.job == job, waiting.c.line.in_(select(items.c.line).where(marked))
+        )
+    )
+    return int(conn.execute(update(items).where(marked).values(dup_of=None)).rowcount)
+
+
 def still_waiting(conn: Connection, job: str) -> int:
     """Lines that wait for another line's answer (and were not answered by an earlier job)."""
     query = (
@@ -132,7 +157,7 @@ def settle_strays(conn: Connection, job: str, now: float) -> int:
         .where(items.c.job == job, items.c.status == "pending", items.c.dup_of.is_not(None))
         .where(leader.c.job == job, leader.c.line == items.c.dup_of)
         .where(leader.c.status.in_(FINAL_STATUSES))
-        .values(updated_at=now, **{c: leader.c[c] for c in COPIED})
+        .values(updated_at=now, **NOT_A_SOURCE, **{c: leader.c[c] for c in COPIED})
     )
     return int(conn.execute(copy).rowcount)
 
@@ -179,6 +204,7 @@ def reuse_earlier(
             reused_job=found.c.rj,
             reused_line=found.c.rl,
             updated_at=now,
+            **NOT_A_SOURCE,
             **{c: found.c[c] for c in COPIED},
         )
     )
@@ -207,7 +233,7 @@ def fan_out(conn: Connection, job: str, recorded: list[ItemResult], now: float) 
     copy = (
         update(items)
         .where(items.c.job == job, items.c.line == bindparam("l"), items.c.status == "pending")
-        .values(updated_at=now, **{c: bindparam(f"c_{c}") for c in COPIED})
+        .values(updated_at=now, **NOT_A_SOURCE, **{c: bindparam(f"c_{c}") for c in COPIED})
     )
     rows = [
         {"l": line} | {f"c_{c}": getattr(by_line[leader], c) for c in COPIED}

@@ -99,8 +99,7 @@ class Ledger:
 
         Without skip_invalid, any bad line (duplicate ids included) rolls everything back and
         raises InputError listing every problem found. `input_digest` may be a callable, read
-        after `lines` is exhausted, so a streaming reader can hash the file as it goes.
-        """
+        after `lines` is exhausted, so a streaming reader can hash the file as it goes."""
         now = time.time()
         with self._write("loading the input") as conn:
             if conn.execute(select(jobs.c.name).where(jobs.c.name == name)).first():
@@ -250,8 +249,7 @@ class Ledger:
         order (`by_prefix` False; `after` a line).
 
         A runner passes the last place it claimed, so each claim is a short range scan of an
-        index instead of a walk over every finished item before it.
-        """
+        index instead of a walk over every finished item before it."""
         with self._write("claiming items") as conn:
             return workers.claim(
                 conn, name, owner, limit, lease_ttl=lease_ttl, after=after, by_prefix=by_prefix
@@ -312,6 +310,12 @@ class Ledger:
             reused = reuse.reuse_earlier(conn, name, answer_spec, since=reuse_since, now=now)
             return reuse.still_waiting(conn, name) if reused else waiting, reused
 
+    def forget_duplicates(self, name: str) -> int:
+        """--no-reuse: lines a run before left waiting for a repeat are sent; how many."""
+        with self._write("sending repeated lines too") as conn:
+            workers.lock_job(conn, name)
+            return reuse.forget_duplicates(conn, name)
+
     def preview(
         self,
         name: str,
@@ -345,6 +349,7 @@ class Ledger:
                 .values(
                     status="pending",
                     error=None,
+                    answer_spec=None,  # a source no more (reuse.NOT_A_SOURCE)
                     output=None,
                     parsed=None,
                     finish_reason=None,
