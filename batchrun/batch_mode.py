@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -13,7 +14,7 @@ import anyio
 
 from batchrun.backends.base import Transport
 from batchrun.backends.batch_api import BatchAPI
-from batchrun.config import RunSpec
+from batchrun.config import ANSWER_FIELDS, RunSpec
 from batchrun.errors import FatalError, LedgerError, NotFound, RequestError, single_error
 from batchrun.hosted import FINISHED, HostedRun, T, patiently
 from batchrun.ledger import Ledger
@@ -37,6 +38,10 @@ async def run_batches(
     stats = RunStats()
     api = BatchAPI(spec, transport)
     run = HostedRun(ledger, api, name, spec, rules=rules, log=log)
+    # Joined as a worker: what dead workers held comes back to be batched too, and this run's
+    # options (--mode batch) become the job's, for the next `resume`.
+    worker = uuid.uuid4().hex
+    ledger.join(name, worker, ttl=spec.lease, spec=spec.to_json(), same=ANSWER_FIELDS)
     log.event("batch_mode_started", max_requests=spec.batch_max_requests)
     try:
         if handle_signals:
@@ -53,6 +58,7 @@ async def run_batches(
             await api.aclose()
         with contextlib.suppress(LedgerError):  # the error that stopped the run is kept
             ledger.chunks.let_go(name, owner=run.owner, keep=run.sent)
+            ledger.release(name, worker)
     h = run.stats
     stats.recorded, stats.batches = h.recorded, h.batches
     stats.batch_tokens = h.prompt_tokens + h.completion_tokens

@@ -31,6 +31,7 @@ import orjson
 
 from batchrun.backends.answers import read_json
 from batchrun.backends.batch_api import BatchAPI, Unreadable
+from batchrun.batch_files import answered, failure, reasons, records
 from batchrun.config import RunSpec
 from batchrun.errors import (
     FatalError,
@@ -271,26 +272,33 @@ class HostedRun:
         if status in FINISHED:
             await self._collect(chunk, batch)
         if status == "failed":  # refused at validation: said, not sent again blindly
-            raise FatalError(f"the provider failed batch {batch_id}: {_reasons(batch)}")
+            raise FatalError(f"the provider failed batch {batch_id}: {reasons(batch)}")
 
     async def _collect(self, chunk: Chunk, batch: dict[str, Any]) -> None:
         """Record a finished batch's answers; the rest of its lines go back to pending."""
         items = {item.line: item for item in self.store.lines(self.name, chunk.chunk)}
         results: list[ItemResult] = []
         followups: dict[int, dict[str, Any]] = {}  # answers a repair or longer retry follows
-        output = await self._file(batch.get("output_file_id"))
+        output = await self._file(batch.get("output_file_id"), "output")
         _crash_point("downloading")  # downloaded, nothing recorded yet
+        if not output and answered(batch):  # paid for: not sent again as if never answered
+            raise FatalError(
+                f"batch {chunk.batch_id} (chunk {chunk.chunk}) says {answered(batch)} lines "
+                "were answered, and no output file with them was had; its lines stay batched: "
+                "`resume` looks again (`batchrun cancel JOB --forget` gives them up)"
+            )
         seen: set[Any] = set()
         for record in output:
-            if record.get("custom_id") in seen:
-                continue  # a line answered twice: the first answer is the one recorded
-            seen.add(record.get("custom_id"))
+            key = record.get("custom_id")
+            if not isinstance(key, (str, int)) or key in seen:
+                continue  # not a line's id; a line answered twice: the first answer counts
+            seen.add(key)
             result = self._result(items, record, followups)
             if result is not None:
                 results.append(result)
         failures: dict[str, int] = {}  # why the provider failed lines, for the log
-        for record in await self._file(batch.get("error_file_id")):
-            why = _failure(record)
+        for record in await self._file(batch.get("error_file_id"), "error"):
+            why = failure(record)
             failures[why] = failures.get(why, 0) + 1
         recorded = self.ledger.record(
             self.name, "", results, answer_spec=self._answer_spec, chunk=chunk.chunk
@@ -308,13 +316,13 @@ class HostedRun:
             failures=failures,
         )
 
-    async def _file(self, file_id: Any) -> list[dict[str, Any]]:
+    async def _file(self, file_id: Any, kind: str) -> list[dict[str, Any]]:
         """A batch's output or error file, its lines parsed; none when it has none (or the
-        provider no longer keeps it: those lines go back to pending)."""
+        provider no longer keeps it)."""
         if not isinstance(file_id, str) or not file_id:
             return []
         try:
-            return _records(await self._patiently(lambda: self.api.content(file_id)))
+            return records(await self._patiently(lambda: self.api.content(file_id)), kind)
         except NotFound:
             return []
 
@@ -378,39 +386,6 @@ async def patiently(call: Callable[[], Awaitable[T]], *, within: float) -> T:
                 raise
             await anyio.sleep(min(300.0, exc.retry_after or wait))
             wait = min(30.0, wait * 2)
-
-
-def _reasons(batch: dict[str, Any]) -> str:
-    """Why the provider failed a batch: its `errors` (OpenAI's `{"data": [...]}`, or a list)."""
-    errors = batch.get("errors")
-    if isinstance(errors, dict):
-        errors = errors.get("data")
-    if not isinstance(errors, list):
-        errors = [errors] if errors else []
-    said = [str(e.get("message", e)) if isinstance(e, dict) else str(e) for e in errors]
-    return "; ".join(said)[:1000] or "no reason given"
-
-
-def _failure(record: dict[str, Any]) -> str:
-    """An error file line's reason: its error code, or its response's HTTP status."""
-    error = record.get("error")
-    if isinstance(error, dict) and error.get("code"):
-        return str(error["code"])
-    response = record.get("response")
-    status = response.get("status_code") if isinstance(response, dict) else None
-    return f"HTTP {status}" if status else "unknown"
-
-
-def _records(content: bytes) -> list[dict[str, Any]]:
-    records = []
-    for raw in content.splitlines():
-        try:
-            record = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
 
 
 def _crash_point(name: str) -> None:

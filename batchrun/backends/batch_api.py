@@ -4,7 +4,7 @@ metadata, download its output, cancel it. Errors are the backend's own (errors_h
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -16,7 +16,9 @@ from batchrun.backends.errors_http import error_for_status, scrubbed
 from batchrun.config import RunSpec, preset_for
 from batchrun.errors import FatalError
 
-LIST_PAGES = 50  # batches looked through (100 a page) for one whose metadata names a chunk
+# Batches looked through (100 a page) for one whose metadata names a chunk: past them, with the
+# chunk's time not reached, the look stops the run rather than say "none" (a second batch).
+LIST_PAGES = 1000
 
 
 class Unreadable(FatalError):
@@ -95,7 +97,8 @@ class BatchAPI:
     async def find(self, metadata: dict[str, str], since: float) -> Any | None:
         """The newest batch whose metadata holds these pairs, or None; batches are listed
         newest first, and the search stops at those made before `since` (epoch seconds, an
-        hour's leeway for clocks)."""
+        hour's leeway for clocks), or at the list's end. Not there after LIST_PAGES pages, it
+        cannot say, and raises: "none" would make a second batch of the same lines."""
         after: str | None = None
         for _ in range(LIST_PAGES):
             params = {"limit": 100, **({"after": after} if after else {})}
@@ -111,7 +114,11 @@ class BatchAPI:
             if not more or not page or not isinstance(page[-1].get("id"), str):
                 return None
             after = page[-1]["id"]
-        return None
+        raise FatalError(
+            f"looked through {LIST_PAGES * 100:,} batches for the one this job made, and did "
+            "not reach the time it was made: whether it exists is not known, so none is made "
+            "again; `batchrun cancel JOB --forget` gives its lines up to be sent again"
+        )
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -130,11 +137,12 @@ def _listed(response: httpx.Response) -> tuple[list[dict[str, Any]], bool]:
         page = orjson.loads(response.content)
     except orjson.JSONDecodeError:
         page = None
-    if not isinstance(page, dict):
-        raise FatalError(f"GET {response.request.url.path} did not answer a list of batches")
-    data = page.get("data")
-    batches = [b for b in data if isinstance(b, dict)] if isinstance(data, list) else []
-    return batches, bool(page.get("has_more"))
+    data = page.get("data") if isinstance(page, dict) else None
+    if not isinstance(data, list):  # not "no batch": a second one would be paid for
+        path = response.request.url.path
+        raise Unreadable(f"GET {path} did not answer a list of batches (`data`), as OpenAI's does")
+    assert isinstance(page, dict)
+    return [b for b in data if isinstance(b, dict)], bool(page.get("has_more"))
 
 
 def _epoch(value: Any) -> float | None:
@@ -144,7 +152,9 @@ def _epoch(value: Any) -> float | None:
         return float(value)
     if isinstance(value, str):
         try:
-            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            made = datetime.fromisoformat(value.replace("Z", "+00:00"))
         except ValueError:
             return None
+        # without a zone: UTC, as servers write times (not this machine's zone)
+        return (made if made.tzinfo else made.replace(tzinfo=UTC)).timestamp()
     return None
