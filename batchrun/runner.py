@@ -90,6 +90,8 @@ class Runner:
             say=progress.say if progress is not None else None,
         )
         self._sharing = 1  # workers the --rpm/--tpm budget is shared between
+        self._looking = anyio.Lock()  # one look at the job's spending at a time
+        self._unrecorded = 0  # results given to the writer and not committed yet
         self._limit_log: deque[tuple[float, int, str]] = deque(maxlen=20)
         if progress is not None:
             progress.concurrency = self.fleet.limit
@@ -307,15 +309,28 @@ class Runner:
         spec = self.spec
         if spec.max_total_tokens is None and spec.max_cost is None:
             return
-        spent = await self._db(self.ledger.paid_tokens, self.job)
         lanes = self.fleet.lanes
         if lanes[0].throttle.budget is None:  # one budget, whichever endpoint spends it
             prices = (spec.price_in or 0.0, spec.price_out or 0.0)
             budget = Budget(spec.max_total_tokens, spec.max_cost, *prices)
             for lane in lanes:
-                lane.throttle.budget = budget
-        assert lanes[0].throttle.budget is not None
-        lanes[0].throttle.budget.saw_spent(*spent)
+                lane.throttle.budget, lane.throttle.look = budget, self._look_at_spending
+        await self._look_at_spending(None)
+
+    async def _look_at_spending(self, looks: int | None) -> None:
+        """What the job has paid (other workers too) and the workers alive, for the budget:
+        with each heartbeat (`looks` None), and where this worker's part of it is half spent
+        (once for the requests refused before a look: `looks`, the looks they had seen)."""
+        async with self._looking:
+            budget = self.fleet.lanes[0].throttle.budget
+            assert budget is not None
+            if looks is None or budget.looks == looks:
+                while looks is not None and self._unrecorded > 0:  # what others will count
+                    await anyio.sleep(self.settings.commit_interval / 4 or 0.005)
+                spent = await self._db(self.ledger.paid_tokens, self.job)
+                ttl = self.settings.lease_ttl
+                live = await self._db(self.ledger.live_workers, self.job, ttl=ttl)
+                budget.saw_spent(*spent, workers=live)
 
     async def _heartbeat(self) -> None:
         while True:
@@ -357,6 +372,7 @@ class Runner:
                 self.feeder.answered()
                 if result is not None:
                     results.send_nowait(result)  # unbounded: never drops a finished result
+                    self._unrecorded += 1
 
     def _adjust(self, endpoint: str, change: Change) -> None:
         """A reported move of an adaptive limit: to the progress bar, `status` and the log."""
@@ -376,6 +392,7 @@ class Runner:
             self.ledger.record, self.job, self.owner, group, answer_spec=self.answer_spec
         )
         self.feeder.held.difference_update(result.line for result in group)
+        self._unrecorded -= len(group)
         self.stats.recorded += changed
         for result in group:
             self.stats.by_status[result.status] = self.stats.by_status.get(result.status, 0) + 1

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 
 from batchrun.backends.base import Completion
-from batchrun.budget import Budget
+from batchrun.budget import Budget, ShareSpent
 from batchrun.config import Pacing
 from batchrun.controller import Change, ConcurrencyController
 from batchrun.errors import (
@@ -55,6 +55,9 @@ class Throttle:
         self.in_flight = 0  # requests on the wire now
         self.streaming = 0  # ... whose answers have begun to come in
         self.budget: Budget | None = None  # the job's token or cost limit, when it has one
+        # Looks at what the job spent, and the workers alive, for the budget (given the looks
+        # it had when a request was refused: one look serves the requests refused before it).
+        self.look: Callable[[int], Awaitable[None]] | None = None
         self.clock = clock
         self._sleep = sleep
         self._on_change = on_change
@@ -111,6 +114,18 @@ class Throttle:
     def busy(self) -> int:
         """Slots taken: requests on the wire, and those waiting for the pacer's go."""
         return int(self._slots.borrowed_tokens)
+
+    async def admit(self, est_in: int, est_out: int) -> None:
+        """The budget's go for a request (BudgetReached: none), after a look at the job's
+        spending where this worker's part of it is half spent (budget.py)."""
+        assert self.budget is not None
+        looks = self.budget.looks
+        try:
+            self.budget.admit(est_in, est_out, looked=self.look is None)
+        except ShareSpent:
+            assert self.look is not None
+            await self.look(looks)
+            self.budget.admit(est_in, est_out, looked=True)
 
     @property
     def free(self) -> bool:
@@ -196,7 +211,7 @@ class Slot:
             if wait > 0:
                 await t._sleep(wait)
             if t.budget is not None:
-                t.budget.admit(*self._split)
+                await t.admit(*self._split)
                 self._held = True
         except BaseException:
             t._slots.release()

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from sqlalchemy import text
@@ -265,6 +266,67 @@ async def test_the_summary_does_not_call_repeated_lines_answered_when_none_was(
     assert sent == 0 and counts["pending"] == 4 and counts["done"] == 0
     said = summary_line(JobReport("j", counts, False, None, stats=stats))
     assert "answered once" not in said, said
+
+
+class Gated(httpx.AsyncBaseTransport):
+    """The simulator, holding each completion until `gate` has seen `wait_for` of them: two
+    workers have then each read what the job spent (nothing) before any answer came."""
+
+    def __init__(self, sim: SimTransport, gate: dict[str, Any], wait_for: int) -> None:
+        self.sim, self.gate, self.wait_for = sim, gate, wait_for
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "POST" and not self.gate["open"].is_set():
+            self.gate["seen"] += 1
+            if self.gate["seen"] >= self.wait_for:
+                self.gate["open"].set()
+            await self.gate["open"].wait()
+        return await self.sim.handle_async_request(request)
+
+
+@pytest.mark.anyio
+async def test_two_workers_overrun_a_budget_by_no_more_than_they_hold_in_flight(
+    tmp_path: Path,
+) -> None:
+    """Two workers at --concurrency 1 (one request in flight each, at most 1 + 30 tokens).
+    Before, each read the ledger's spending only at its start and with each heartbeat (20 s;
+    20 minutes here: lease 3600) and counted only its own answers between: within a heartbeat
+    every worker could spend the whole budget, and the two paid 1,181 tokens of 600. Now each
+    takes its part of what was left and looks again (its own answers committed first) each
+    time half its part is spent: together they pass it by no more than they hold in flight."""
+    home = Home.at(tmp_path, None)
+    options = {"backend": "sim", "model": "sim-1", "concurrency": 1, "server_metrics": "off"}
+    spec = resolve({**options, "max_tokens": 30, "max_total_tokens": 600})
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"item {i}"}) + "\n" for i in range(60)))
+    setup = Ledger(home.ledger_url)
+    jobs.create_job(setup, "j", path, spec)
+    setup.close()
+    gate: dict[str, Any] = {"open": anyio.Event(), "seen": 0}
+    sim = SimTransport(SimModel())
+
+    async def worker() -> None:
+        ledger = Ledger(home.ledger_url)
+        settings = RunnerSettings(lease_ttl=3600.0, drain_timeout=0.0)
+        await jobs.run_job(
+            ledger,
+            home,
+            "j",
+            spec,
+            transport=Gated(sim, gate, 2),
+            settings=settings,
+            handle_signals=False,
+        )
+        ledger.close()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker)
+        tg.start_soon(worker)
+    ledger = Ledger(home.ledger_url)
+    paid = sum(ledger.paid_tokens("j"))
+    ledger.close()
+    in_flight = 2 * (1 + 30)  # what two workers at concurrency 1 may hold at once
+    assert paid <= 600 + in_flight, f"the job paid {paid} tokens of a budget of 600"
 
 
 class Recording(httpx.AsyncBaseTransport):

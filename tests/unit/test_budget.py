@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import text
 
 from batchrun import jobs
-from batchrun.budget import Budget, BudgetReached
+from batchrun.budget import Budget, BudgetReached, ShareSpent
 from batchrun.config import resolve
 from batchrun.errors import OptionError
 from batchrun.jobs import Home
@@ -33,6 +33,25 @@ def test_a_budget_holds_estimates_in_flight_and_spends_what_was_used() -> None:
     with pytest.raises(BudgetReached, match="30 tokens spent, 50 in flight"):
         budget.admit(30, 10)  # 30 spent + 50 held + 40 > 100
     budget.admit(10, 10)  # 30 + 50 + 20 = 100
+
+
+def test_workers_share_what_was_left_and_look_again_as_their_part_runs_down() -> None:
+    """Two workers alive when it looked at 400 of 1,000 spent: this one's part is 300 more.
+    Half of it spent since, it looks again before the next request (ShareSpent); once it has
+    looked, it goes up to its part and no further, while the whole budget is not reached."""
+    budget = Budget(max_tokens=1000)
+    budget.saw_spent(400, 0, workers=2)  # part: 400 + 600 / 2 = 700
+    budget.admit(100, 40)  # 540: 140 of its 300
+    with pytest.raises(ShareSpent):
+        budget.admit(10, 10)  # 560: more than half its part since it looked
+    budget.admit(10, 10, looked=True)  # it looked (nothing new): 560, within 700
+    budget.settle(100, 40, (100, 40))
+    with pytest.raises(BudgetReached, match=r"this worker's part, 1 of 2 alive"):
+        budget.admit(100, 60, looked=True)  # 720 > 700
+    budget.saw_spent(500, 40, workers=1)  # the other left: its part is all that is left
+    budget.admit(100, 60)  # 540 + 20 held + 160 = 720, a look due at 770
+    with pytest.raises(BudgetReached, match=r"--max-total-tokens 1,000 reached: 540"):
+        budget.admit(300, 0, looked=True)  # 1,020: past the whole budget, whatever the part
 
 
 def test_a_cost_budget_prices_prompt_and_output_apart() -> None:
