@@ -143,11 +143,17 @@ class Fleet:
     def _queued(self) -> bool:
         """Whether a request that comes now waits behind the waiters: while one was woken, or
         may take a slot free now. A slot that every waiter was refused on (no wake-up comes
-        for it: _room) goes to whoever comes, or its lane would stand idle behind them."""
+        for it: _room) goes to whoever comes, or its lane would stand idle behind them; unless
+        that lane refused as many lines since its last answer as would drain it: it may refuse
+        everything, and the newcomer too."""
         if self._woken or not self._waiters:
             return bool(self._woken)
         up = self.lanes if self._refused else ()
-        free = [lane for lane in up if lane.state == "up" and lane.throttle.free]
+        free = [
+            lane
+            for lane in up
+            if lane.state == "up" and lane.throttle.free and lane.refused_lately < REFUSALS_TO_DRAIN
+        ]
         refusers = self._refusers
         return not free or any(lane not in refusers(w.key) for w in self._waiters for lane in free)
 
@@ -270,7 +276,7 @@ class Fleet:
         self._free.pop(key, None)
         lane.outage.success(key, sent)
         lane.answered += 1
-        lane.refusals = 0
+        lane.refusals = lane.refused_lately = 0
         refusers = self._refused.pop(key, None)  # none with one endpoint: nothing to do
         for refuser in refusers - {lane} if refusers else ():  # another answered what it refused
             refuser.refusals += 1
@@ -365,6 +371,7 @@ class Fleet:
         line after line that others answer is drained (success)."""
         lane.errors += 1
         lane.refusal = str(error)
+        lane.refused_lately += 1
         tried = self._refused.setdefault(key, set())
         tried.add(lane)
         if any(self._may_answer(other) for other in self.lanes if other not in tried):

@@ -60,6 +60,7 @@ class Lane:
     probe_wait: float = PROBE_FIRST_S
     refusal: str = ""  # the latest refusal's error
     refusals: int = 0  # lines it refused that others then answered, since its last answer
+    refused_lately: int = 0  # lines it refused since its last answer
     refusing = False  # down for refusing (REFUSALS_TO_DRAIN): only an answer brings it back
     rests_until = 0.0  # after a 429: others are sent to first until then (its Retry-After)
 
