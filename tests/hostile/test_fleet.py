@@ -10,18 +10,13 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from anyio import wait_all_tasks_blocked
 
-from batchrun.errors import BadRequest
-from batchrun.lanes import Lane
 from batchrun.sim import SimConfig
 from tests.unit.test_fleet import (
     SYSTEMS,
     Hosts,
-    bare_fleet,
     chat,
     endpoints,
-    free,
     run,
 )
 
@@ -120,34 +115,6 @@ async def test_an_endpoint_given_as_backend_llamacpp_gets_llama_cpps_guided_styl
     }
     # before: both json_schema
     assert styles == {"a.test": {"json_object"}, "b.test": {"json_schema"}}
-
-
-@pytest.mark.anyio
-async def test_a_line_an_endpoint_may_serve_does_not_queue_behind_one_it_refused() -> None:
-    # Line x was refused by `a` (a 400: too long for it) and waits for `b`, which is busy.
-    # `a`'s request ends: its slot is free, and x rightly may not take it. Then line y comes:
-    # `a` may serve it, but pick() puts any newcomer behind the waiters (fleet.py: `queued`),
-    # and no one wakes y when a slot on `a` is already free: `a` stands idle, and every new
-    # line queues behind x, until `b` frees a slot twice (the first goes to x).
-    fleet = bare_fleet("a", "b")
-    a, b = fleet.lanes
-    assert await fleet.pick("k0") is a and await fleet.pick("k1") is b  # both full
-    assert fleet.refused(a, "x", BadRequest("maximum context 4096", status=400))
-    got: dict[str, Lane] = {}
-
-    async def pick(key: str) -> None:
-        got[key] = await fleet.pick(key)
-
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(pick, "x")
-            await wait_all_tasks_blocked()
-            await free(a)  # a's request ends; x may not have its slot
-            await wait_all_tasks_blocked()
-            tg.start_soon(pick, "y")
-            await wait_all_tasks_blocked()
-            assert got == {"y": a}  # before: {} -- y waits while `a` is free
-            tg.cancel_scope.cancel()
 
 
 class NoModelsAtB(Hosts):

@@ -948,10 +948,13 @@ async def free(lane: Lane) -> None:
 
 
 @pytest.mark.anyio
-async def test_a_slot_freed_wakes_a_line_that_may_take_it() -> None:
+@pytest.mark.parametrize("y_comes", ["before the slot frees", "after it"])
+async def test_a_slot_freed_wakes_a_line_that_may_take_it(y_comes: str) -> None:
     # Found by a second review: `a` refused line x, which waits for `b`, full. A slot freed
     # on `a` woke x, the first waiter; x could not take it and went back to the front, and
-    # the line behind it was never woken: `a` stood idle while lines waited for it.
+    # the line behind it was never woken: `a` stood idle while lines waited for it. Found by
+    # a later review (tests/hostile): y that came after the slot was free queued behind x,
+    # and no wake-up came for it: `a` stood idle again, until `b` freed a slot twice.
     fleet = bare_fleet("a", "b")
     a, b = fleet.lanes
     assert await fleet.pick("k0") is a and await fleet.pick("k1") is b  # both full
@@ -965,11 +968,15 @@ async def test_a_slot_freed_wakes_a_line_that_may_take_it() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(pick, "x")
             await wait_all_tasks_blocked()
-            tg.start_soon(pick, "y")  # behind x
-            await wait_all_tasks_blocked()
+            if y_comes == "before the slot frees":
+                tg.start_soon(pick, "y")  # behind x
+                await wait_all_tasks_blocked()
             await free(a)
             await wait_all_tasks_blocked()
-            assert got == {"y": a}  # before: {} (x took the wake-up and kept waiting)
+            if y_comes == "after it":
+                tg.start_soon(pick, "y")
+                await wait_all_tasks_blocked()
+            assert got == {"y": a}  # before: {} (y waited while `a` was free)
             await free(b)
     assert got == {"y": a, "x": b}
 
