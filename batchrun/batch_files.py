@@ -26,7 +26,8 @@ def records(content: bytes, kind: str) -> list[dict[str, Any]]:
         if not isinstance(record, dict):
             raise Unreadable(
                 f"line {number} of the batch's {kind} file is not a JSON object, as OpenAI's "
-                "Batch API writes; its lines stay batched, and `resume` looks again"
+                "Batch API writes; its lines stay batched: `resume` looks again (`batchrun "
+                "cancel JOB --forget` gives them up)"
             )
         found.append(record)
     return found

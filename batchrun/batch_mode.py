@@ -38,19 +38,20 @@ async def run_batches(
     stats = RunStats()
     api = BatchAPI(spec, transport)
     run = HostedRun(ledger, api, name, spec, rules=rules, log=log)
-    # Joined as a worker: what dead workers held comes back to be batched too, and this run's
-    # options (--mode batch) become the job's, for the next `resume`.
+    # Joined as a worker, with a heartbeat however long the provider takes: what dead workers
+    # held comes back to be batched too, this run's options (--mode batch) become the job's
+    # for the next `resume`, and a worker asking other answers is refused meanwhile.
     worker = uuid.uuid4().hex
-    ledger.join(name, worker, ttl=spec.lease, spec=spec.to_json(), same=ANSWER_FIELDS)
-    log.event("batch_mode_started", max_requests=spec.batch_max_requests)
+    join = partial(ledger.join, name, worker, ttl=spec.lease, spec=spec.to_json())
     try:
-        if handle_signals:
-            async with anyio.create_task_group() as tg:
+        await anyio.to_thread.run_sync(partial(join, same=ANSWER_FIELDS))
+        log.event("batch_mode_started", max_requests=spec.batch_max_requests)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_beat, ledger, name, worker, spec.lease)
+            if handle_signals:
                 tg.start_soon(_stop_on_signals, tg.cancel_scope, stats)
-                await _until_done(run, stats, log)
-                tg.cancel_scope.cancel()
-        else:
             await _until_done(run, stats, log)
+            tg.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         raise single_error(group) from None
     finally:
@@ -65,6 +66,14 @@ async def run_batches(
     stats.followups = ledger.chunks.followups(name)
     stats.elapsed = time.monotonic() - stats.started
     return stats
+
+
+async def _beat(ledger: Ledger, name: str, worker: str, lease: float) -> None:
+    """The batch run's heartbeat: alive to `status` and to the workers that join meanwhile."""
+    while True:
+        await anyio.sleep(lease / 3)
+        with contextlib.suppress(LedgerError):  # a missed beat: the next one may land
+            await anyio.to_thread.run_sync(partial(ledger.heartbeat, name, worker, lease_ttl=lease))
 
 
 async def _until_done(run: HostedRun, stats: RunStats, log: JobLog) -> None:
@@ -117,7 +126,12 @@ async def cancel_batches(
                 }
                 found = await patient(partial(api.find, meta, chunk.created_at))
                 batch_id = found["id"] if found else None
-            if batch_id is None or chunk.state in FINISHED:
+            if chunk.state in FINISHED:  # finished, and its answers not had (see `resume`)
+                if forget:
+                    ledger.chunks.close(name, chunk.chunk)
+                    cancelled.append(batch_id or f"chunk {chunk.chunk}")
+                continue
+            if batch_id is None:
                 continue
             try:
                 batch = await patient(partial(api.cancel, batch_id))

@@ -290,9 +290,9 @@ class HostedRun:
         seen: set[Any] = set()
         for record in output:
             key = record.get("custom_id")
-            if not isinstance(key, (str, int)) or key in seen:
+            if not isinstance(key, (str, int)) or str(key) in seen:
                 continue  # not a line's id; a line answered twice: the first answer counts
-            seen.add(key)
+            seen.add(str(key))
             result = self._result(items, record, followups)
             if result is not None:
                 results.append(result)

@@ -379,6 +379,8 @@ def _after(batched: RunStats | None, stats: RunStats) -> RunStats:
     if batched is not None:
         stats.recorded += batched.recorded
         stats.batches, stats.batch_tokens = batched.batches, batched.batch_tokens
+        stats.reused += batched.reused  # copied before the batches: none left to the online part
+        stats.duplicates = max(stats.duplicates, batched.duplicates)
     return stats
 
 

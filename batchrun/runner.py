@@ -91,7 +91,7 @@ class Runner:
         )
         self._sharing = 1  # workers the --rpm/--tpm budget is shared between
         self._looking = anyio.Lock()  # one look at the job's spending at a time
-        self._unrecorded = 0  # results given to the writer and not committed yet
+        self._given = self._committed = 0  # results given to the writer, and committed, so far
         self._limit_log: deque[tuple[float, int, str]] = deque(maxlen=20)
         if progress is not None:
             progress.concurrency = self.fleet.limit
@@ -325,7 +325,8 @@ class Runner:
             budget = self.fleet.lanes[0].throttle.budget
             assert budget is not None
             if looks is None or budget.looks == looks:
-                while looks is not None and self._unrecorded > 0:  # what others will count
+                given = self._given  # ours committed first, for the others to count
+                while looks is not None and self._committed < given:
                     await anyio.sleep(self.settings.commit_interval / 4 or 0.005)
                 spent = await self._db(self.ledger.paid_tokens, self.job)
                 ttl = self.settings.lease_ttl
@@ -372,7 +373,7 @@ class Runner:
                 self.feeder.answered()
                 if result is not None:
                     results.send_nowait(result)  # unbounded: never drops a finished result
-                    self._unrecorded += 1
+                    self._given += 1
 
     def _adjust(self, endpoint: str, change: Change) -> None:
         """A reported move of an adaptive limit: to the progress bar, `status` and the log."""
@@ -392,7 +393,7 @@ class Runner:
             self.ledger.record, self.job, self.owner, group, answer_spec=self.answer_spec
         )
         self.feeder.held.difference_update(result.line for result in group)
-        self._unrecorded -= len(group)
+        self._committed += len(group)
         self.stats.recorded += changed
         for result in group:
             self.stats.by_status[result.status] = self.stats.by_status.get(result.status, 0) + 1

@@ -14,11 +14,13 @@ import httpx
 import orjson
 import pytest
 
-from batchrun import api, hosted, jobs
+from batchrun import api, batch_mode, hosted, jobs
 from batchrun.backends import batch_api
+from batchrun.config import ANSWER_FIELDS, resolve
 from batchrun.jobs import Home
 from batchrun.ledger import Ledger, chunks
-from batchrun.sim import SimModel, SimTransport
+from batchrun.run_state import RunnerSettings
+from batchrun.sim import SimConfig, SimModel, SimTransport
 from tests.unit.test_hosted import Killed, _kill, load, sim
 from tests.unit.test_hosted_faults import Rewritten, run
 
@@ -217,3 +219,120 @@ async def test_a_created_at_without_a_zone_is_not_read_as_local_time(
     finally:
         monkeypatch.undo()  # TZ as it was
         time.tzset()
+
+
+# --- 4. batch mode counting reuse, with --then online ----------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_batch_night_then_online_says_how_many_answers_it_reused(tmp_path: Path) -> None:
+    """Today's fix (jobs._batches_first) gives a batch run's stats its reuse count. With
+    `--mode batch --then online`, when the batches leave a line pending (here the provider's
+    output lacks one line), the online part runs: run_job sets its own `_reuse` count (0: the
+    copies were made before the batches) and `_after` adds the batch part's recorded lines,
+    batches and tokens but not its reused ones: the summary says nothing was reused."""
+    home = Home.at(tmp_path, None)
+    ledger = Ledger(home.ledger_url)
+    base = {"backend": "sim", "mode": "batch", "poll_interval": 0.02, "model": "sim-1"}
+    model = SimModel(SimConfig(batch_seconds=0.05))
+
+    def one_line_lost(m: str, p: str, n: int, r: httpx.Response) -> httpx.Response | None:
+        if m == "GET" and p.endswith("/content") and b"choices" in r.content:
+            kept = [x for x in r.content.splitlines() if b'"custom_id":"21"' not in x]
+            return httpx.Response(200, content=b"\n".join(kept) + b"\n")
+        return None
+
+    stats = None
+    for name, n, then in (("n1", 20, "none"), ("n2", 25, "online")):  # 20 unchanged, 5 new
+        spec = resolve({**base, "then": then, "server_metrics": "off"})
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(n)))
+        jobs.create_job(ledger, name, path, spec)
+        transport = SimTransport(model) if name == "n1" else Rewritten(model, one_line_lost)
+        stats = await jobs.run_job(
+            ledger,
+            home,
+            name,
+            spec,
+            transport=transport,
+            settings=RunnerSettings(drain_timeout=0.0),
+            handle_signals=False,
+        )
+    assert stats is not None
+    counts = ledger.counts("n2")
+    reused = ledger.item_stats("n2")["reused"]
+    ledger.close()
+    assert counts["done"] == 25 and reused == 20  # set up as meant
+    assert stats.reused == 20, f"the run's stats say {stats.reused} reused, status says {reused}"
+
+
+# --- 6. hosted: a completed batch whose output is gone -----------------------------------------
+
+
+@pytest.mark.anyio
+async def test_the_way_out_the_no_output_stop_names_gives_the_lines_up(tmp_path: Path) -> None:
+    """A completed batch says its lines were answered, and its output file is no longer kept
+    (404: OpenAI deletes files after their retention). hosted._collect now stops the run,
+    lines kept batched, and says "`batchrun cancel JOB --forget` gives them up". But
+    cancel_batches passes over every chunk whose state is in FINISHED (`completed`, noted by
+    _look before _collect raised): --forget does nothing, and every resume stops the same way
+    for ever; the job can never finish."""
+
+    def output_gone(m: str, p: str, n: int, r: httpx.Response) -> httpx.Response | None:
+        if m == "GET" and p.endswith("/content") and b"choices" in r.content:
+            return httpx.Response(404, json={"error": {"message": "No such File object"}})
+        return None
+
+    ledger, home, spec = load(tmp_path, 6)
+    model = sim()
+    stats = await run(ledger, home, spec, Rewritten(model, output_gone))
+    assert stats.aborted is not None and "--forget" in stats.aborted
+    assert ledger.counts("j")["batched"] == 6
+    await batch_mode.cancel_batches(
+        ledger, "j", spec, forget=True, transport=Rewritten(model, output_gone)
+    )
+    counts = ledger.counts("j")
+    again = await run(ledger, home, spec, Rewritten(model, output_gone))
+    ledger.close()
+    assert counts["batched"] == 0, (
+        f"after `cancel --forget` {counts['batched']} lines are still batched; the next "
+        f"resume says again: {again.aborted}"
+    )
+
+
+# --- 6. hosted: a batch-mode run joined as a worker --------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_batch_run_that_joined_as_a_worker_stays_alive_while_it_polls(
+    tmp_path: Path,
+) -> None:
+    """run_batches now joins the job as a worker (its options the job's, checked against
+    other live workers'), but never beats: past its --lease, while its batches still run
+    (they take hours at a provider), it counts as gone. `status` shows it dead, and another
+    worker with other answer options (here a temperature) joins, unrefused, while its batch
+    answers are still to be collected under the first options."""
+    ledger, home, spec = load(tmp_path, 4, lease=1.0)
+    model = sim(batch_seconds=3.0)
+    seen: dict[str, Any] = {}
+
+    async def other_worker() -> None:
+        await anyio.sleep(2.0)  # the batch run is polling; its lease (1 s) has run out
+        seen["live"] = ledger.live_workers("j", ttl=1.0)
+        other = {**spec.to_json(), "temperature": 1.5}
+        try:
+            ledger.join("j", "online-worker", ttl=60.0, spec=other, same=ANSWER_FIELDS)
+            seen["joined"] = True
+            ledger.release("j", "online-worker")
+        except Exception as exc:
+            seen["joined"] = exc
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other_worker)
+        stats = await run(ledger, home, spec, SimTransport(model))
+    ledger.close()
+    assert stats.aborted is None
+    assert seen["live"] == 1 and seen["joined"] is not True, (
+        f"while the batch run polled: {seen['live']} live workers; a worker with another "
+        f"temperature joined: {seen['joined']}"
+    )
