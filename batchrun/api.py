@@ -15,7 +15,6 @@ import functools
 import os
 import signal
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -254,7 +253,7 @@ class _Listen:
 
 async def _run(led: Ledger, where: Home, name: str, spec: RunSpec, listen: _Listen) -> JobReport:
     """Run what is left, then finish: results written once no item is left."""
-    counts, started = led.counts(name), time.time()
+    counts, started = led.counts(name), led.now()  # the clock workers' times are in
     stats, notes = RunStats(), tuple[str, ...]()
     if left(counts):
         stats = await verbs.run_job(
@@ -274,7 +273,7 @@ async def _run(led: Ledger, where: Home, name: str, spec: RunSpec, listen: _List
     # the results file is written here: off the event loop, which may be the caller's
     counts, complete = await anyio.to_thread.run_sync(verbs.finish, led, where, name, final_spec)
     output = where.output_path(name) if complete else None
-    took_part = sum((w.stopped_at or time.time()) >= started for w in led.workers(name))
+    took_part = sum((w.stopped_at or started) >= started for w in led.workers(name))
     report = JobReport(name, counts, complete, output, notes=notes, stats=stats)
     return replace(report, workers=max(1, took_part))
 

@@ -14,11 +14,12 @@ import anyio
 
 from batchrun.backends.base import Transport
 from batchrun.backends.batch_api import BatchAPI
-from batchrun.config import ANSWER_FIELDS, RunSpec
+from batchrun.config import RunSpec
 from batchrun.errors import FatalError, LedgerError, NotFound, RequestError, single_error
 from batchrun.hosted import FINISHED, HostedRun, T, patiently
 from batchrun.ledger import Ledger
 from batchrun.progress import JobLog
+from batchrun.reuse import SAME, joined
 from batchrun.run_state import RunStats
 from batchrun.structured import OutputRules
 
@@ -42,9 +43,9 @@ async def run_batches(
     # held comes back to be batched too, this run's options (--mode batch) become the job's
     # for the next `resume`, and a worker asking other answers is refused meanwhile.
     worker = uuid.uuid4().hex
-    join = partial(ledger.join, name, worker, ttl=spec.lease, spec=spec.to_json())
+    join = partial(ledger.join, name, worker, ttl=spec.lease, spec=joined(spec))
     try:
-        await anyio.to_thread.run_sync(partial(join, same=ANSWER_FIELDS))
+        await anyio.to_thread.run_sync(partial(join, same=SAME))
         log.event("batch_mode_started", max_requests=spec.batch_max_requests)
         async with anyio.create_task_group() as tg:
             tg.start_soon(_beat, ledger, name, worker, spec.lease)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import re
 import signal
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from batchrun import batch_mode, reuse
 from batchrun.backends import Transport
 from batchrun.backends.build import sim_config
 from batchrun.budget import Budget
-from batchrun.config import ANSWER_FIELDS, RunSpec, preset_for, resolve
+from batchrun.config import RunSpec, preset_for, resolve
 from batchrun.errors import (
     FatalError,
     JobExists,
@@ -79,7 +81,7 @@ def default_job_name(input_path: Path) -> str:
 def job_spec(job: Job) -> RunSpec:
     """The spec a job last ran with, checked like any other (a clear error, not a TypeError,
     if it was stored by a version with other option names)."""
-    return resolve(job.spec, endpoint_required=False)
+    return resolve(reuse.options(job.spec), endpoint_required=False)
 
 
 def create_job(ledger: Ledger, name: str, input_path: Path, spec: RunSpec) -> IngestReport:
@@ -179,7 +181,7 @@ def resolve_for_job(
     """The job's spec for this run, checked before anything is loaded or sent: the schema file
     is read and stored by absolute path, the simulator options are type-checked. Only a job
     loaded and not run may go without an endpoint (`submit --no-run`)."""
-    base = job.spec if job else {}
+    base = reuse.options(job.spec) if job else {}
     spec = resolve(base, *layers, endpoint_required=endpoint_required)
     if spec.schema:
         load_schema(spec.schema)
@@ -189,30 +191,6 @@ def resolve_for_job(
     if spec.reuse_max_age:
         reuse.seconds(spec.reuse_max_age, key="reuse_max_age")
     return spec
-
-
-def _reuse(ledger: Ledger, name: str, spec: RunSpec, log: JobLog) -> tuple[int, int]:
-    """Before sending: repeated lines wait for their first line's answer, and earlier jobs'
-    answers to the same requests are copied (both off with --no-reuse). (waiting, reused)."""
-    if not spec.reuse:
-        ledger.forget_duplicates(name)  # marked by a run before: every line is sent
-        return 0, 0
-    started = time.perf_counter()
-    joining = Joining(spec.to_json(), ANSWER_FIELDS, spec.lease)  # refused: nothing copied
-    found = ledger.prepare_reuse(
-        name, reuse.answer_spec(spec), reuse_since=_since(spec), joining=joining
-    )
-    took = round(time.perf_counter() - started, 3)
-    log.event(
-        "reuse", duplicates=found[0], reused=found[1], max_age=spec.reuse_max_age, seconds=took
-    )
-    return found
-
-
-def _since(spec: RunSpec) -> float | None:
-    """The oldest answer --reuse-max-age lets a run reuse (None: any)."""
-    age = spec.reuse_max_age
-    return time.time() - reuse.seconds(age, key="reuse_max_age") if age else None
 
 
 @dataclass(frozen=True)
@@ -248,7 +226,7 @@ def preview(ledger: Ledger, name: str, spec: RunSpec) -> Preview:
     send, repeated, reused, (tokens_in, tokens_out) = ledger.preview(
         name,
         key,
-        reuse_since=_since(spec),
+        reuse_since=reuse.since(spec),
         estimate=lambda body: estimate_split({**defaults, **body}),
     )
     tokens, cost = tokens_in + tokens_out, None
@@ -303,7 +281,11 @@ async def run_job(
             models = {route.spec.model for route in routes}
             if len(models) == 1:  # the model every request goes with (asked of the server when
                 spec = replace(spec, model=models.pop())  # not given): in requests and reuse
-            waiting, reused = await anyio.to_thread.run_sync(_reuse, ledger, name, spec, log)
+            # joined as the runner will be, in the transaction that copies answers into the job
+            settings = replace(settings, worker=settings.worker or uuid.uuid4().hex)
+            joining = Joining(reuse.joined(spec), reuse.SAME, settings.lease_ttl, settings.worker)
+            reuse_run = partial(reuse.prepare, ledger, name, spec, log, joining)
+            waiting, reused = await anyio.to_thread.run_sync(reuse_run)
             counts = ledger.counts(name)
             progress = Progress(
                 total=sum(counts.values()),
@@ -358,7 +340,9 @@ async def _batches_first(
         return None
     log = JobLog(home.log_path(name), name, redact=spec.redact)
     try:
-        waiting, reused = await anyio.to_thread.run_sync(_reuse, ledger, name, spec, log)
+        joining = Joining(reuse.joined(spec), reuse.SAME, spec.lease)
+        reuse_run = partial(reuse.prepare, ledger, name, spec, log, joining)
+        waiting, reused = await anyio.to_thread.run_sync(reuse_run)
         stats = await batch_mode.run_batches(
             ledger,
             name,

@@ -1,4 +1,5 @@
-"""Reuse across nights: the key an answer is made under, and ages given as text.
+"""Reuse across nights: the key an answer is made under, ages given as text, and the step
+before a run sends anything (`prepare`).
 
 An earlier job's `done` answer is copied instead of sent when its request (the stored body,
 as hashed at submit) and its answer options match. The options are digested here into one
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +23,19 @@ import orjson
 
 from batchrun.config import ANSWER_FIELDS, RunSpec
 from batchrun.errors import OptionError, UsageError
+from batchrun.ledger import Joining, Ledger
+from batchrun.progress import JobLog
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 AGE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*")
+
+
+# Stored with a job's spec by the workers that run it, so that they agree on the schema's
+# content, not only its path (the same path may hold another schema on another host, or after
+# an edit); the keys a worker's spec must share with the live workers' (the simulator's options
+# decide its answers too).
+SCHEMA_DIGEST = "schema_sha256"
+SAME = (*ANSWER_FIELDS, "sim_options", SCHEMA_DIGEST)
 
 
 def answer_spec(spec: RunSpec) -> str:
@@ -32,11 +44,27 @@ def answer_spec(spec: RunSpec) -> str:
     if spec.backend == "sim":  # synthetic answers are never a real server's, whatever the model
         fields["simulated"] = spec.sim_options
     if spec.schema:
-        try:
-            fields["schema"] = hashlib.sha256(Path(spec.schema).read_bytes()).hexdigest()
-        except OSError as exc:
-            raise UsageError(f"cannot read schema {spec.schema}: {exc.strerror}") from None
+        fields["schema"] = schema_digest(spec)
     return hashlib.sha256(orjson.dumps(fields, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def schema_digest(spec: RunSpec) -> str | None:
+    if not spec.schema:
+        return None
+    try:
+        return hashlib.sha256(Path(spec.schema).read_bytes()).hexdigest()
+    except OSError as exc:
+        raise UsageError(f"cannot read schema {spec.schema}: {exc.strerror}") from None
+
+
+def joined(spec: RunSpec) -> dict[str, Any]:
+    """A run's spec as its worker stores it with the job, and as workers compare (SAME)."""
+    return {**spec.to_json(), SCHEMA_DIGEST: schema_digest(spec)}
+
+
+def options(stored: dict[str, Any]) -> dict[str, Any]:
+    """A job's stored spec without what `joined` added: its options."""
+    return {key: value for key, value in stored.items() if key != SCHEMA_DIGEST}
 
 
 def seconds(text: str, *, key: str) -> float:
@@ -48,3 +76,27 @@ def seconds(text: str, *, key: str) -> float:
             f"got {OptionError.quoted(text)}"
         )
     return float(found.group(1)) * UNITS[found.group(2) or "s"]
+
+
+def prepare(
+    ledger: Ledger, name: str, spec: RunSpec, log: JobLog, joining: Joining
+) -> tuple[int, int]:
+    """Before sending: repeated lines wait for their first line's answer, and earlier jobs'
+    answers to the same requests are copied (both off with --no-reuse), after `joining`'s
+    check (refused: nothing copied). (waiting, reused)."""
+    if not spec.reuse:
+        ledger.forget_duplicates(name)  # marked by a run before: every line is sent
+        return 0, 0
+    started = time.perf_counter()
+    found = ledger.prepare_reuse(name, answer_spec(spec), reuse_since=since(spec), joining=joining)
+    took = round(time.perf_counter() - started, 3)
+    log.event(
+        "reuse", duplicates=found[0], reused=found[1], max_age=spec.reuse_max_age, seconds=took
+    )
+    return found
+
+
+def since(spec: RunSpec) -> float | None:
+    """The oldest answer --reuse-max-age lets a run reuse (None: any)."""
+    age = spec.reuse_max_age
+    return time.time() - seconds(age, key="reuse_max_age") if age else None

@@ -47,6 +47,7 @@ BUSY_PATIENCE_S = 600.0  # how long to wait for another process's ledger lock (a
 @dataclass(frozen=True)
 class RunnerSettings:
     lease_ttl: float = LEASE_TTL
+    worker: str | None = None  # the id the run joined under already (jobs._reuse), else new
     commit_interval: float = 0.2
     drain_timeout: float = 10.0
     busy_patience: float = BUSY_PATIENCE_S

@@ -26,7 +26,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from batchrun.budget import Budget
-from batchrun.config import ANSWER_FIELDS, RunSpec
+from batchrun.config import RunSpec
 from batchrun.controller import Change
 from batchrun.errors import (
     BatchrunError,
@@ -41,7 +41,7 @@ from batchrun.ledger import ClaimedItem, ItemResult, Ledger
 from batchrun.ledger_calls import LedgerCalls
 from batchrun.progress import JobLog, Progress
 from batchrun.retrying import OutageWatch, RetryPolicy, until_set
-from batchrun.reuse import answer_spec
+from batchrun.reuse import SAME, answer_spec, joined
 from batchrun.routes import by_prefix
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.sender import Sender
@@ -73,7 +73,7 @@ class Runner:
         self.log = log
         self.progress = progress
         self.settings = settings or RunnerSettings()
-        self.owner = uuid.uuid4().hex
+        self.owner = self.settings.worker or uuid.uuid4().hex
         self.stats = RunStats()
         self.answer_spec = answer_spec(spec)  # recorded with each result, for later reuse
         retries = spec.retries
@@ -168,8 +168,8 @@ class Runner:
             self.job,
             self.owner,
             ttl=s.lease_ttl,
-            spec=self.spec.to_json(),
-            same=ANSWER_FIELDS,
+            spec=joined(self.spec),
+            same=SAME,
         )
         await self._watch_spending()
         self.log.event(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from batchrun.endpoints import shown_endpoint
@@ -39,7 +38,7 @@ def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
     counts = ledger.counts(job.name)
     stats = ledger.item_stats(job.name)
     answered = stats.pop("answered_by")
-    spec, now, lease = job.spec, time.time(), _lease(job)
+    spec, now, lease = job.spec, ledger.now(), _lease(job)  # heartbeats are in its clock
     workers = ledger.workers(job.name)
     return {
         "job": job.name,
@@ -100,7 +99,7 @@ def _endpoints(
 
 
 def _live(ledger: Ledger, job: Job) -> list[Worker]:
-    now = time.time()
+    now = ledger.now()
     lease = _lease(job)
     return [w for w in ledger.workers(job.name) if w.alive(now, lease)]
 

@@ -1,8 +1,7 @@
 """The ledger's API: jobs, ingest, the job's runner lock, claims with leases, results, stats.
 
 Every write goes through a guard so that nothing is recorded twice: a result lands only on an
-item that is still `running` under the caller's lease, and a job has at most one live runner.
-"""
+item that is still `running` under the caller's lease, and a job has at most one live runner."""
 
 from __future__ import annotations
 
@@ -154,14 +153,9 @@ class Ledger:
         the job, `spec` must agree with the job's on the keys in `same` (the options that
         change an answer), or OptionError says which differ, and nothing changes."""
         with self._write("joining the job") as conn:
-            if spec is not None and same:
-                workers.lock_job(conn, name)
-                workers.check_same(conn, name, spec, same, ttl=ttl)
-            back = workers.join(conn, name, worker, ttl=ttl)  # the job's row is locked first
-            if spec is not None:
-                stored = {"spec": as_json(spec), "updated_at": time.time()}
-                conn.execute(update(jobs).where(jobs.c.name == name).values(**stored))
-            return back
+            return workers.join_as(
+                conn, name, worker, Joining(spec or {}, same, ttl), store=spec is not None
+            )
 
     def heartbeat(
         self,
@@ -232,6 +226,10 @@ class Ledger:
         with self._read("listing workers") as conn:
             return workers.listed(conn, name)
 
+    def now(self) -> float:  # the clock of workers' times: the database's (hosts differ)
+        with self._read("reading the clock") as conn:
+            return workers.db_now(conn)
+
     # --- items ------------------------------------------------------------------------------
 
     def claim(
@@ -301,7 +299,9 @@ class Ledger:
         other answers) copies nothing into their job (OptionError, and nothing changes)."""
         with self._write("looking for answers to reuse") as conn:
             workers.lock_job(conn, name)
-            if joining is not None:
+            if joining is not None and joining.worker is not None:
+                workers.join_as(conn, name, joining.worker, joining, store=True)
+            elif joining is not None:
                 workers.check_same(conn, name, joining.spec, joining.same, ttl=joining.ttl)
             waiting = reuse.mark_duplicates(conn, name)
             if not earlier:

@@ -37,7 +37,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from batchrun.errors import OptionError
 from batchrun.ledger.dialect import dialect_of
 from batchrun.ledger.records import ClaimedItem
-from batchrun.ledger.rows import CLAIMED_COLUMNS, claimed_of
+from batchrun.ledger.rows import CLAIMED_COLUMNS, as_json, claimed_of
 from batchrun.ledger.schema import items, jobs, workers
 
 
@@ -286,11 +286,14 @@ def live_count(conn: Connection, name: str, *, ttl: float) -> int:
 @dataclass(frozen=True)
 class Joining:
     """A run about to join a job: its spec, the keys of it that must agree with the job's
-    while other workers run it, and how long a silent worker counts as live."""
+    while other workers run it, and how long a silent worker counts as live. With `worker`,
+    the run joins as it (the runner's own id) in the same transaction as what it then
+    changes: a run that checked before another joined is never let in beside it."""
 
     spec: dict[str, Any]
     same: tuple[str, ...]
     ttl: float
+    worker: str | None = None
 
 
 def check_same(
@@ -318,3 +321,16 @@ def check_same(
 
 def _shown(value: object) -> str:
     return "(not set)" if value is None else OptionError.quoted(value)
+
+
+def join_as(conn: Connection, name: str, worker: str, joining: Joining, *, store: bool) -> int:
+    """`worker` joins the job (see Ledger.join): its spec checked against the live workers'
+    on `joining.same`, and stored when `store`; how many items dead workers left came back."""
+    if joining.same:
+        lock_job(conn, name)
+        check_same(conn, name, joining.spec, joining.same, ttl=joining.ttl)
+    back = join(conn, name, worker, ttl=joining.ttl)  # the job's row is locked first
+    if store:
+        stored = {"spec": as_json(joining.spec), "updated_at": time.time()}
+        conn.execute(update(jobs).where(jobs.c.name == name).values(**stored))
+    return back
