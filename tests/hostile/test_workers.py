@@ -1,9 +1,8 @@
-"""A hostile review of one job run by many workers: each test here fails on the code as it was
-reviewed, and shows one defect (see the report)."""
+"""One job run by many workers, attacked: each test failed on the code before its fix, and
+names the defect it showed."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,54 +12,20 @@ import pytest
 from batchrun import jobs, reuse, status_view
 from batchrun.config import resolve
 from batchrun.errors import OptionError
-from batchrun.inputs import InputItem
-from batchrun.ledger import ItemResult, Joining, Ledger
+from batchrun.ledger import Joining, Ledger
+from tests.postgres import fresh_database
+from tests.unit.test_reuse import answer_all, ledger, load
 
 SPEC_X, SPEC_Y = "x" * 64, "y" * 64
-
-
-@pytest.fixture
-def ledger(ledger_url: str) -> Iterator[Ledger]:
-    opened = Ledger(ledger_url)
-    yield opened
-    opened.close()
+__all__ = ["ledger"]  # the fixture, shared with tests/unit/test_reuse.py
 
 
 @pytest.fixture
 def pg_ledger(postgres_server: str) -> Iterator[Ledger]:
-    from tests.postgres import fresh_database
-
     with fresh_database(postgres_server) as url:
         opened = Ledger(url)
         yield opened
         opened.close()
-
-
-def load(ledger: Ledger, name: str, requests: list[str]) -> None:
-    lines = [
-        InputItem(
-            line=n,
-            item_id=f"{name}-{n}",
-            endpoint="chat",
-            body=b"{}",
-            digest=hashlib.sha256(text.encode()).hexdigest(),
-            meta=None,
-        )
-        for n, text in enumerate(requests, start=1)
-    ]
-    spec: dict[str, Any] = {}
-    ledger.create_job(
-        name, input_path="in", input_digest=name, spec=spec, lines=lines, skip_invalid=False
-    )
-
-
-def answer_all(ledger: Ledger, name: str, spec: str) -> None:
-    worker = f"w{time.monotonic_ns()}"
-    ledger.join(name, worker, ttl=60)
-    claimed = ledger.claim(name, worker, 1000, lease_ttl=60)
-    answers = [ItemResult(c.line, "done", 1, output=f"{name}:{c.line}") for c in claimed]
-    ledger.record(name, worker, answers, answer_spec=spec)
-    ledger.release(name, worker)
 
 
 def test_two_workers_starting_together_with_other_options_leave_one_answer_set(
