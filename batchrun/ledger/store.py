@@ -153,9 +153,8 @@ class Ledger:
         the job, `spec` must agree with the job's on the keys in `same` (the options that
         change an answer), or OptionError says which differ, and nothing changes."""
         with self._write("joining the job") as conn:
-            return workers.join_as(
-                conn, name, worker, Joining(spec or {}, same, ttl), store=spec is not None
-            )
+            joining, stored = Joining(spec or {}, same, ttl), spec is not None
+            return workers.join_as(conn, name, worker, joining, store=stored, reclaim_dead=True)
 
     def heartbeat(
         self,
@@ -300,7 +299,8 @@ class Ledger:
         with self._write("looking for answers to reuse") as conn:
             workers.lock_job(conn, name)
             if joining is not None and joining.worker is not None:
-                workers.join_as(conn, name, joining.worker, joining, store=True)
+                # the runner's join reclaims what dead workers held, after the copies, as ever
+                workers.join_as(conn, name, joining.worker, joining, store=True, reclaim_dead=False)
             elif joining is not None:
                 workers.check_same(conn, name, joining.spec, joining.same, ttl=joining.ttl)
             waiting = reuse.mark_duplicates(conn, name)

@@ -89,8 +89,9 @@ def lock_job(conn: Connection, name: str) -> None:
     dialect_of(conn).lock_job(conn, name)
 
 
-def join(conn: Connection, name: str, worker: str, *, ttl: float) -> int:
-    """Add `worker` to the job and reclaim what dead workers left; how many items went back."""
+def join(conn: Connection, name: str, worker: str, *, ttl: float, reclaim_dead: bool = True) -> int:
+    """Add `worker` to the job and reclaim what dead workers left; how many items went back
+    (none without `reclaim_dead`: the runner's own join, later, does it and says so)."""
     lock_job(conn, name)
     now = db_now(conn)
     row = {"host": socket.gethostname(), "machine": this_machine(), "pid": os.getpid()}
@@ -100,7 +101,7 @@ def join(conn: Connection, name: str, worker: str, *, ttl: float) -> int:
         conn.execute(workers.insert().values(lease=ttl, **values))
     else:  # joined already: a join whose answer was lost with the connection, tried again
         conn.execute(update(workers).where(workers.c.id == worker).values(heartbeat=now))
-    return reclaim(conn, name, worker, ttl=ttl)
+    return reclaim(conn, name, worker, ttl=ttl) if reclaim_dead else 0
 
 
 def reclaim(conn: Connection, name: str, worker: str, *, ttl: float) -> int:
@@ -323,13 +324,16 @@ def _shown(value: object) -> str:
     return "(not set)" if value is None else OptionError.quoted(value)
 
 
-def join_as(conn: Connection, name: str, worker: str, joining: Joining, *, store: bool) -> int:
+def join_as(
+    conn: Connection, name: str, worker: str, joining: Joining, *, store: bool, reclaim_dead: bool
+) -> int:
     """`worker` joins the job (see Ledger.join): its spec checked against the live workers'
     on `joining.same`, and stored when `store`; how many items dead workers left came back."""
     if joining.same:
         lock_job(conn, name)
         check_same(conn, name, joining.spec, joining.same, ttl=joining.ttl)
-    back = join(conn, name, worker, ttl=joining.ttl)  # the job's row is locked first
+    # the job's row is locked first
+    back = join(conn, name, worker, ttl=joining.ttl, reclaim_dead=reclaim_dead)
     if store:
         stored = {"spec": as_json(joining.spec), "updated_at": time.time()}
         conn.execute(update(jobs).where(jobs.c.name == name).values(**stored))
