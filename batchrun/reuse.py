@@ -23,6 +23,7 @@ import orjson
 
 from batchrun.config import ANSWER_FIELDS, RunSpec
 from batchrun.errors import OptionError, UsageError
+from batchrun.inputs import file_digest
 from batchrun.ledger import Joining, Ledger
 from batchrun.progress import JobLog
 
@@ -52,7 +53,7 @@ def schema_digest(spec: RunSpec) -> str | None:
     if not spec.schema:
         return None
     try:
-        return hashlib.sha256(Path(spec.schema).read_bytes()).hexdigest()
+        return file_digest(Path(spec.schema))
     except OSError as exc:
         raise UsageError(f"cannot read schema {spec.schema}: {exc.strerror}") from None
 

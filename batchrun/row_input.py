@@ -14,6 +14,7 @@ import orjson
 
 from batchrun.config import ANSWER_FIELDS
 from batchrun.errors import UsageError
+from batchrun.inputs import file_digest
 from batchrun.ledger import Job, Ledger
 
 # Options that change what is asked, or of whom: rows submitted again with other values are
@@ -61,7 +62,7 @@ def _content(path: str) -> str:
     """A file's digest, so that an edited file is another ask; its path if it can't be read
     (resolving the options says why)."""
     try:
-        return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()
+        return file_digest(Path(path).expanduser())
     except OSError:
         return path
 
