@@ -60,6 +60,7 @@ async def run_batches(
             await api.aclose()
         with contextlib.suppress(LedgerError):  # the error that stopped the run is kept
             ledger.chunks.let_go(name, owner=run.owner, keep=run.sent)
+        with contextlib.suppress(LedgerError):  # else its heartbeat stops: gone in a lease
             ledger.release(name, worker)
     h = run.stats
     stats.recorded, stats.batches = h.recorded, h.batches
