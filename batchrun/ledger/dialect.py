@@ -19,6 +19,7 @@ errors mean "the database is out of reach for now" rather than "this cannot work
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,13 @@ REFUSALS = (
 )
 
 
+def _is_uri(query: Mapping[str, object]) -> bool:
+    """An SQLite URI (`sqlite:///file:/path?mode=ro&uri=true`) is opened by SQLite as written:
+    its `file:` text is no folder of ours to create (it was one named `file:` here), and a
+    read-only one must not be made."""
+    return str(query.get("uri", "")).lower() in ("true", "1")
+
+
 class Dialect:
     """The contract: each method is one thing the ledger needs that the databases do
     differently. The defaults are SQLite's."""
@@ -61,8 +69,9 @@ class Dialect:
     def engine(self, url: str) -> Engine:
         """An engine for `url` that follows the ledger's transaction rules: a connection marked
         with WRITE_OPTION holds the write lock from its BEGIN; a read never waits for a writer."""
-        database = make_url(url).database or ""
-        if database and database != ":memory:":
+        parsed = make_url(url)
+        database = parsed.database or ""
+        if database and database != ":memory:" and not _is_uri(parsed.query):
             folder = Path(database).parent
             try:
                 folder.mkdir(parents=True, exist_ok=True)

@@ -79,6 +79,18 @@ def test_sqlite_runs_in_wal_mode_with_busy_timeout(tmp_path: Path) -> None:
         assert conn.execute(text("PRAGMA busy_timeout")).scalar() == 30000
 
 
+def test_an_sqlite_uri_is_opened_as_written_and_makes_no_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db = tmp_path / "made" / "ledger.db"
+    Ledger(f"sqlite:///{db}")
+    monkeypatch.chdir(tmp_path)
+    read_only = Ledger(f"sqlite:///file:{db}?mode=ro&uri=true")
+    with read_only.engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM jobs")).scalar() == 0
+    assert not (tmp_path / "file:").exists()
+
+
 def test_ingest_counts_and_job_row(ledger: Ledger) -> None:
     make_job(ledger, 25)
     job = ledger.get_job("j")
