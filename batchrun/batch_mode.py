@@ -33,16 +33,18 @@ async def run_batches(
     rules: OutputRules,
     transport: Transport | None = None,
     handle_signals: bool = True,
+    worker: str | None = None,
 ) -> RunStats:
     """Run the job's batches to the end (or to Ctrl-C/SIGTERM: the batches go on at the
-    provider, and `resume` picks up polling)."""
+    provider, and `resume` picks up polling), as `worker` (the id its reuse pass joined
+    under, if it ran one)."""
     stats = RunStats()
     api = BatchAPI(spec, transport)
     run = HostedRun(ledger, api, name, spec, rules=rules, log=log)
     # Joined as a worker, with a heartbeat however long the provider takes: what dead workers
     # held comes back to be batched too, this run's options (--mode batch) become the job's
     # for the next `resume`, and a worker asking other answers is refused meanwhile.
-    worker = uuid.uuid4().hex
+    worker = worker or uuid.uuid4().hex
     join = partial(ledger.join, name, worker, ttl=spec.lease, spec=joined(spec))
     try:
         await anyio.to_thread.run_sync(partial(join, same=SAME))

@@ -340,7 +340,8 @@ async def _batches_first(
         return None
     log = JobLog(home.log_path(name), name, redact=spec.redact)
     try:
-        joining = Joining(reuse.joined(spec), reuse.SAME, spec.lease)
+        worker = uuid.uuid4().hex  # joined in the pass that copies, as the batch run's worker
+        joining = Joining(reuse.joined(spec), reuse.SAME, spec.lease, worker)
         reuse_run = partial(reuse.prepare, ledger, name, spec, log, joining)
         waiting, reused = await anyio.to_thread.run_sync(reuse_run)
         stats = await batch_mode.run_batches(
@@ -351,6 +352,7 @@ async def _batches_first(
             rules=output_rules(spec),
             transport=transport,
             handle_signals=handle_signals,
+            worker=worker,
         )
         stats.reused, stats.duplicates = reused, waiting
         return stats

@@ -14,11 +14,12 @@ import httpx
 import orjson
 import pytest
 
-from batchrun import api, batch_mode, hosted, jobs
+from batchrun import api, batch_mode, hosted, jobs, reuse
 from batchrun.backends import batch_api
 from batchrun.config import ANSWER_FIELDS, resolve
+from batchrun.errors import OptionError
 from batchrun.jobs import Home
-from batchrun.ledger import Ledger, chunks
+from batchrun.ledger import Joining, Ledger, chunks
 from batchrun.run_state import RunnerSettings
 from batchrun.sim import SimConfig, SimModel, SimTransport
 from tests.unit.test_hosted import Killed, _kill, load, sim
@@ -336,3 +337,32 @@ async def test_a_batch_run_that_joined_as_a_worker_stays_alive_while_it_polls(
         f"while the batch run polled: {seen['live']} live workers; a worker with another "
         f"temperature joined: {seen['joined']}"
     )
+
+
+@pytest.mark.anyio
+async def test_a_batch_run_joins_in_the_pass_that_copies_answers_into_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two `--mode batch` runs with other options start at once. The batch run's reuse pass
+    only checked the workers (jobs._batches_first), and joined later (run_batches): a second
+    run whose pass came between the two was let in, and copied answers made its own way into
+    the job that the first was batching. As online runs do, the batch run now joins in the
+    transaction that copies, so the second is refused before it changes anything."""
+    ledger, home, spec = load(tmp_path, 4)
+    seen: dict[str, Any] = {}
+    real = batch_mode.run_batches
+
+    async def between(*args: Any, **kwargs: Any) -> Any:
+        other = Joining({**reuse.joined(spec), "temperature": 1.5}, reuse.SAME, 60, worker="b")
+        try:  # the other run's reuse pass, after this one's and before its join
+            ledger.prepare_reuse("j", "b" * 64, reuse_since=None, joining=other)
+            seen["other"] = "let in"
+        except OptionError as exc:
+            seen["other"] = exc
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(batch_mode, "run_batches", between)
+    stats = await run(ledger, home, spec, SimTransport(sim()))
+    assert stats.aborted is None and ledger.counts("j")["done"] == 4
+    assert isinstance(seen["other"], OptionError), seen["other"]
+    assert ledger.live_workers("j", ttl=60.0) == 0  # the batch run left when it ended
