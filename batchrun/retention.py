@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from batchrun.api import PathLike, _home, _ledger
 from batchrun.outputs import FORMATS
@@ -34,8 +35,22 @@ def gc(
     age = seconds(older_than, key="older_than")
     where = _home(home, ledger)
     with _ledger(where, existing=True) as led:
+        read_by = {job.name: job.input_path for job in led.list_jobs()}  # --all deletes jobs
         done = led.collect(before=time.time() - age, everything=everything, ttl=LEASE_TTL)
+        left = led.list_jobs()
+    unread = {read_by[name] for name in done.jobs}
+    unread |= {job.input_path for job in left if job.collected_at is not None}
+    unread -= {job.input_path for job in left if job.collected_at is None}
     for name in done.jobs:
         for path in (*(where.output_path(name, fmt) for fmt in FORMATS), where.log_path(name)):
             path.unlink(missing_ok=True)
+    for path in _rows_files(unread, where.root / "inputs"):
+        path.unlink(missing_ok=True)
     return GcReport(done.jobs, done.removed, done.kept, done.running)
+
+
+def _rows_files(paths: set[str], folder: Path) -> set[Path]:
+    """Of the input files `paths` that no job left to run reads, those batchrun wrote for rows
+    handed over from Python (`inputs/rows-*.jsonl`): a user's own files are never touched."""
+    folder = folder.resolve()
+    return {p for p in map(Path, paths) if p.parent == folder and p.name.startswith("rows-")}

@@ -193,6 +193,37 @@ def test_the_same_nightly_api_call_still_runs_after_gc(tmp_path: Path) -> None:
     assert again.counts["done"] == 3
 
 
+def test_gc_removes_the_rows_files_that_only_collected_jobs_read(tmp_path: Path) -> None:
+    """A pipeline hands batchrun.submit new rows every night: each night's rows are written to
+    HOME/inputs/rows-*.jsonl (so a resume reads them). `gc` collected the nights' jobs and
+    left their files: a year of nightly rows kept on disk, read by no job that can run again.
+    A file that a job left to run still reads (the same rows again after gc) stays."""
+    options: dict[str, Any] = {"home": tmp_path, "backend": "sim", "server_metrics": "off"}
+    nights = [[{"prompt": f"night {n} product {i}"} for i in range(3)] for n in range(2)]
+    for rows in nights:
+        assert batchrun.submit(rows, **options).counts["done"] == 3
+    own = tmp_path / "mine.jsonl"  # a user's own file, in the same folder
+    own.write_text(json.dumps({"prompt": "mine"}) + "\n")
+    (tmp_path / "inputs" / "rows-mine.jsonl").write_bytes(own.read_bytes())  # no job's
+    batchrun.submit(own, job="own", **options)
+    ledger = Ledger(Home.at(tmp_path, None).ledger_url)
+    with ledger.engine.begin() as conn:  # ... weeks go by
+        conn.execute(text("UPDATE jobs SET updated_at = 0"))
+    ledger.close()
+    written = {p.name for p in (tmp_path / "inputs").glob("rows-*.jsonl")}
+    assert len(written) == 3
+    assert len(batchrun.gc("30d", home=tmp_path).jobs) == 3
+    assert {p.name for p in (tmp_path / "inputs").glob("rows-*.jsonl")} == {"rows-mine.jsonl"}
+    assert own.exists()  # never a user's own file
+    again = batchrun.submit(nights[1], **options)  # the same rows again: a new job reads them
+    assert again.counts["done"] == 3 and again.stats.reused == 3
+    batchrun.gc("30d", home=tmp_path)  # the new job is recent: its file stays
+    assert len(list((tmp_path / "inputs").glob("rows-*.jsonl"))) == 2
+    assert batchrun.resume(again.job, home=tmp_path).counts["done"] == 3
+    assert batchrun.gc("0s", everything=True, home=tmp_path).jobs  # --all: jobs deleted
+    assert {p.name for p in (tmp_path / "inputs").glob("rows-*.jsonl")} == {"rows-mine.jsonl"}
+
+
 # --- dedup -----------------------------------------------------------------------------------
 
 
