@@ -149,7 +149,7 @@ class Sender:
                 estimate, prompt_tokens=prompt, taken=taken, after=after
             ) as slot:
                 if self.stopping.is_set():  # it waited for its slot, or to retry, past a stop
-                    raise _Stopped
+                    raise _Stopped("the run was stopped before this request was sent")
                 slot.warm = warm.done if warm is not None else None  # first token: the rest go
                 # Counted when sent (every request sent gets its attempt line); a retry is the
                 # same request again (repairs are new requests, not retries).
@@ -201,15 +201,20 @@ class Sender:
             tries = 0
             try:
                 completion = await self.policy.call(attempt, key=item.line)
-            except FatalError as exc:
-                self._fatal(exc)
-                # A budget that refused a follow-up (a repair, a longer retry): the answer
-                # already paid for stands, as when a follow-up fails; sent again, it would be
-                # paid for again.
-                refused = isinstance(exc, BudgetReached)
-                kept = plan.give_up(str(exc), sent=False) if refused else None
+            except (FatalError, _Stopped) as exc:
+                # The run stops (a refused key, an outage, a budget, Ctrl-C) during a follow-up
+                # (a repair, a longer retry): the answer already paid for stands, as when a
+                # follow-up fails; left pending, `resume` would pay for it again.
+                if isinstance(exc, FatalError):
+                    self._fatal(exc)
+                sent = True
+                if isinstance(exc, (BudgetReached, _Stopped)):  # held before it went: this
+                    attempts, sent = attempts - 1, tries > 1  # try was not sent, an earlier was
+                kept = plan.give_up(str(exc), sent=sent)
                 if kept is not None and plan.last is not None:
                     return self._result(item, attempts, plan.last, kept, plan, lane)
+                if isinstance(exc, _Stopped):
+                    raise
                 return None
             except RequestError as exc:
                 if isinstance(exc, BadRequest) and guided and not plan.unguided:

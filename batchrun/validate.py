@@ -16,7 +16,10 @@ from typing import Any
 
 import orjson
 from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
+from jsonschema.exceptions import SchemaError, ValidationError
+from referencing import Registry
+from referencing.exceptions import Unresolvable
+from referencing.jsonschema import DRAFT202012
 
 from batchrun.errors import UsageError
 
@@ -44,7 +47,40 @@ def schema_problem(schema: Any) -> str | None:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
         return f"is not a valid JSON Schema: {exc.message}"
+    return _unresolved(schema)
+
+
+def _unresolved(schema: dict[str, Any]) -> str | None:
+    """A `$ref` inside the schema itself ("#/$defs/price") that points nowhere: found only at
+    the first answer's validation otherwise, after the requests were paid for. A schema with
+    `$id`s of its own inside, or refs to other documents, is left to validation (batchrun
+    fetches no schema from elsewhere)."""
+    refs: list[str] = []
+    if _local_refs(schema, refs, top=True):
+        return None
+    # referencing: the library jsonschema resolves refs with (its dependency, not ours)
+    resolver = Registry().resolver_with_root(DRAFT202012.create_resource(schema))
+    for ref in refs:
+        try:
+            resolver.lookup(ref)
+        except Unresolvable:
+            return f"has a $ref that points nowhere: {ref}"
     return None
+
+
+def _local_refs(node: Any, refs: list[str], *, top: bool = False) -> bool:
+    """Collect the refs into this document ('#...') under `node`; True if a nested `$id`
+    makes them relative to another document (then none is judged here)."""
+    if isinstance(node, list):
+        return any(_local_refs(value, refs) for value in node)
+    if not isinstance(node, dict):
+        return False
+    if "$id" in node and not top:
+        return True
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        refs.append(ref)
+    return any(_local_refs(value, refs) for value in node.values())
 
 
 def response_format(style: str, schema: dict[str, Any]) -> dict[str, Any]:
@@ -94,24 +130,59 @@ def load_schema(path: str) -> dict[str, Any]:
 
 
 def extract_json(text: str) -> Any:
-    """Return the first JSON value found in text; raise ValueError if there is none."""
+    """Return the first JSON value found in text; raise ValueError if there is none.
+
+    Strict JSON only: `NaN` and `Infinity` are not JSON, and an integer past 64 bits, which
+    would come back another number (a float), is refused rather than changed."""
+    refused: list[str] = []  # values found but refused: said if nothing else is found
     stripped = text.strip()
     candidates = [stripped, *(m.group(1).strip() for m in _FENCE.finditer(text))]
     for candidate in candidates:
         if candidate:
             try:
-                return orjson.loads(candidate)
-            except orjson.JSONDecodeError:
+                return _strict_loads(candidate)
+            except _Refused as exc:
+                refused.append(str(exc))
+            except (ValueError, RecursionError):
                 pass
-    decoder = json.JSONDecoder()
     for start, char in enumerate(text):
         if char in "{[":
             try:
-                value, _end = decoder.raw_decode(text, start)
-            except json.JSONDecodeError:
+                value, _end = _DECODER.raw_decode(text, start)
+            except RecursionError:
+                raise ValueError("the output's JSON is nested too deeply to read") from None
+            except _Refused as exc:
+                refused.append(str(exc))
+                continue
+            except ValueError:
                 continue
             return value
-    raise ValueError("no JSON object or array found in the output")
+    raise ValueError(refused[0] if refused else "no JSON object or array found in the output")
+
+
+def _strict_loads(candidate: str) -> Any:
+    if _LONG_NUMBER.search(candidate):  # orjson would make a float of a wider integer
+        return _DECODER.decode(candidate)
+    return orjson.loads(candidate)
+
+
+class _Refused(ValueError):
+    """JSON-like text that is not JSON, or that would not come back as written."""
+
+
+def _exact_int(literal: str) -> int:
+    value = int(literal)
+    if not -(2**63) <= value < 2**64:
+        raise _Refused(f"an integer too large to keep exactly: {literal[:30]}")
+    return value
+
+
+def _not_json(constant: str) -> Any:
+    raise _Refused(f"{constant} is not JSON")
+
+
+_LONG_NUMBER = re.compile(r"\d{19}")
+_DECODER = json.JSONDecoder(parse_int=_exact_int, parse_constant=_not_json)
 
 
 class SchemaCheck:
@@ -119,15 +190,36 @@ class SchemaCheck:
         self.validator = Draft202012Validator(schema)
 
     def check(self, text: str, finish_reason: str | None) -> Verdict:
+        """The answer judged: never raises, whatever the text (a run must not stop, and an
+        item must not go back to be paid for again, for one odd answer)."""
         if finish_reason == "length":
             return Verdict(False, None, "truncated: the answer hit max_tokens before it ended")
         try:
             value = extract_json(text)
-        except ValueError as exc:
-            return Verdict(False, None, str(exc))
-        parsed = orjson.dumps(value).decode()
-        error = next(iter(self.validator.iter_errors(value)), None)
-        if error is not None:
-            where = "/".join(str(p) for p in error.absolute_path) or "(root)"
-            return Verdict(False, parsed, f"schema violation at {where}: {error.message}")
-        return Verdict(True, parsed, None)
+            parsed = orjson.dumps(value).decode()
+        except (ValueError, TypeError) as exc:  # TypeError: a lone surrogate, not UTF-8
+            return Verdict(False, None, _short(str(exc)))
+        try:
+            error = next(iter(self.validator.iter_errors(value)), None)
+        except Exception as exc:  # a $ref that resolves nowhere, a recursion too deep
+            return Verdict(False, parsed, _short(f"cannot validate the answer: {exc}"))
+        if error is None:
+            return Verdict(True, parsed, None)
+        where = "/".join(str(p) for p in error.absolute_path) or "(root)"
+        return Verdict(False, parsed, _short(f"schema violation at {where}: {_rule(error)}"))
+
+
+def _rule(error: ValidationError) -> str:
+    """The rule an answer broke, without the value that broke it: the answer is beside it in
+    the repair and in the results, and lines that break one rule share one error (`status`
+    counts the commonest)."""
+    found = repr(error.instance)
+    message = error.message
+    return f"the value{message[len(found) :]}" if message.startswith(found) else message
+
+
+def _short(error: str) -> str:
+    return error if len(error) <= ERROR_CHARS else error[: ERROR_CHARS - 1] + "…"
+
+
+ERROR_CHARS = 300  # an error says what is wrong; the answer itself is kept beside it

@@ -10,7 +10,10 @@ follow-up (the conversation holds the model's earlier answer) gets valid JSON un
 
 from __future__ import annotations
 
+import contextlib
+import math
 import random
+import re
 from typing import Any
 
 import orjson
@@ -60,36 +63,88 @@ def json_text(schema: dict[str, Any], style: str, rng: random.Random) -> str:
     return text
 
 
-def instance(schema: dict[str, Any], rng: random.Random) -> Any:
-    """A value valid for the common JSON Schema keywords (what extraction schemas use)."""
+def instance(schema: dict[str, Any], rng: random.Random, root: Any = None) -> Any:
+    """A value valid for the common JSON Schema keywords (what extraction schemas use, and
+    what pydantic writes: `$defs` and `$ref`s into them)."""
+    root = schema if root is None else root
+    if isinstance(schema.get("$ref"), str):
+        return instance(_pointed(root, schema["$ref"]), rng, root)
     if "const" in schema:
         return schema["const"]
     if "enum" in schema:
         return rng.choice(schema["enum"])
     for key in ("anyOf", "oneOf", "allOf"):
         if schema.get(key):
-            return instance(schema[key][0], rng)
+            return instance(schema[key][0], rng, root)
     kind = schema.get("type", "object")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "null")
     if kind == "object":
         props = schema.get("properties") or {}
-        return {name: instance(sub, rng) for name, sub in props.items()}
+        return {name: instance(sub, rng, root) for name, sub in props.items()}
     if kind == "array":
         count = max(int(schema.get("minItems", 1)), 1)
-        return [instance(schema.get("items") or {"type": "string"}, rng) for _ in range(count)]
-    if kind == "integer":
-        low, high = int(schema.get("minimum", 0)), int(schema.get("maximum", 100))
-        return rng.randint(low, max(low, high))
-    if kind == "number":
-        lo, hi = float(schema.get("minimum", 0)), float(schema.get("maximum", 100))
-        return round(rng.uniform(lo, max(lo, hi)), 2)
+        count = min(count, int(schema.get("maxItems", count)))
+        items = schema.get("items") or {"type": "string"}
+        return [instance(items, rng, root) for _ in range(count)]
+    if kind in ("integer", "number"):
+        return _number(schema, rng, kind == "integer")
     if kind == "boolean":
         return rng.random() < 0.5
     if kind == "null":
         return None
-    length = max(int(schema.get("minLength", 1)), 5)
-    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(length))
+    return _string(schema, rng)
+
+
+def _pointed(root: Any, ref: str) -> dict[str, Any]:
+    """The subschema a local `$ref` ("#/$defs/Money") points to; {} (anything) otherwise."""
+    node = root
+    for part in ref.removeprefix("#").strip("/").split("/") if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else {}
+
+
+def _number(schema: dict[str, Any], rng: random.Random, integer: bool) -> float | int:
+    """Within the bounds: a whole number for `integer` (exclusive bounds one in), else one
+    near the middle, strictly inside. 0-100 where no bound is given."""
+    low, low_open = _edge(schema, "minimum", "exclusiveMinimum")
+    high, high_open = _edge(schema, "maximum", "exclusiveMaximum")
+    if low is None:
+        low = high - 100 if high is not None else 0
+    if high is None:
+        high = low + 100
+    if not integer:
+        return round(float(low + (high - low) * (0.4 + 0.2 * rng.random())), 6)
+    lo = math.floor(low) + 1 if low_open else math.ceil(low)
+    hi = math.ceil(high) - 1 if high_open else math.floor(high)
+    return rng.randint(lo, max(lo, hi))
+
+
+def _edge(schema: dict[str, Any], inclusive: str, exclusive: str) -> tuple[Any, bool]:
+    if inclusive in schema:
+        return schema[inclusive], False
+    return schema.get(exclusive), exclusive in schema
+
+
+_ALPHABETS = ("abcdefghijklmnopqrstuvwxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "0123456789")
+
+
+def _string(schema: dict[str, Any], rng: random.Random) -> str:
+    """Letters, as many as the length bounds allow (5 if free); with a `pattern`, the first of
+    a few simple strings it matches (digits or capitals of some length), else letters."""
+    low = int(schema.get("minLength", 1))
+    high = max(low, int(schema.get("maxLength", max(low, 5))))
+    length = min(max(low, 5), high)
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        for size in range(max(low, 1), min(high, 12) + 1):
+            for letters in _ALPHABETS:
+                text = "".join(rng.choice(letters) for _ in range(size))
+                with contextlib.suppress(re.error):  # not Python's regex: letters, then
+                    if re.search(pattern, text):
+                        return text
+    return "".join(rng.choice(_ALPHABETS[0]) for _ in range(length))
 
 
 def _violate(value: Any) -> Any:
