@@ -15,7 +15,7 @@ import orjson
 
 from batchrun.backends.base import Completion, Watch
 from batchrun.backends.errors_http import message_of, server_message
-from batchrun.backends.frames import Frame, Texts, choice_text, plain_text
+from batchrun.backends.frames import Frame, Texts, choice_text, plain_text, thinking
 from batchrun.backends.sse import SEPARATOR, Event, SSEDecoder, events_in
 from batchrun.errors import Overloaded, StreamCut
 
@@ -190,6 +190,8 @@ class StreamedAnswer:
             piece = choice_text(choice, self.endpoint, streamed=True)
             if piece:
                 self.pieces.append(piece)
+                self.texts += 1
+            elif thinking(choice):  # a reasoning model's thought: a token, timed, not answer
                 self.texts += 1
             if choice.get("finish_reason"):
                 self.finish = choice["finish_reason"]

@@ -49,10 +49,10 @@ class Completion:
     prompt_tokens: int | None
     completion_tokens: int | None
     latency_s: float
-    ttft_s: float | None  # time to the first non-empty content delta (streaming only)
+    ttft_s: float | None  # time to the first token: content, or a thought (streaming only)
     rate: RateInfo | None = None  # the server's rate-limit headers, when it sends them
-    # Seconds from sending to each non-empty content delta (streaming only): inter-token
-    # latency for `batchrun bench`.
+    # Seconds from sending to each delta with a token (content or a reasoning model's
+    # thought; streaming only): inter-token latency for `batchrun bench`.
     chunk_times: tuple[float, ...] = ()
     # Timings the server reports in `usage` (Groq: queue_time, prompt_time, completion_time,
     # total_time), in seconds.

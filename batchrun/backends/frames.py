@@ -146,6 +146,17 @@ def plain_text(chunk: Any, endpoint: str) -> str | None:
     return choice_text(choice, endpoint, streamed=True)
 
 
+def thinking(choice: dict[str, Any]) -> bool:
+    """A streamed chat delta of a reasoning model's thought (`reasoning_content`: vLLM's,
+    SGLang's and llama-server's; `reasoning`: vLLM's newer name): tokens that count in
+    `usage` and in the time to the first token, though they are not the answer."""
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return False
+    thought = delta.get("reasoning_content") or delta.get("reasoning")
+    return isinstance(thought, str) and bool(thought)
+
+
 def choice_text(choice: dict[str, Any], endpoint: str, *, streamed: bool) -> str | None:
     """A choice's text: `text` for completions, else its delta's (streamed) or message's
     `content`; None if it is not a string."""

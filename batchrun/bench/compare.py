@@ -53,6 +53,7 @@ def ratios(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
             "concurrency": cell_a["concurrency"],
             "a": cell_a["endpoint"],
             "b": cell_b["endpoint"],
+            "endpoint": None if single else cell_a["endpoint"],  # matched by its name
         }
         for label, name, stat in METRICS:
             va, vb = _read(cell_a, name, stat), _read(cell_b, name, stat)
@@ -69,8 +70,17 @@ def render(a_label: str, b_label: str, rows: list[dict[str, Any]]) -> str:
         f"latencies: below 1 is better for B)"
     )
     names = [m[0] for m in METRICS]
-    lines = [head, "  ".join(["class".ljust(8), "conc".rjust(4), *(n.rjust(10) for n in names)])]
+    # Runs of several endpoints match cells by endpoint too: each row says which it is.
+    width = max((len(r["endpoint"]) for r in rows if r.get("endpoint")), default=0)
+    named = ["endpoint".ljust(width)] if width else []
+    lines = [
+        head,
+        "  ".join([*named, "class".ljust(8), "conc".rjust(4), *(n.rjust(10) for n in names)]),
+    ]
     for r in rows:
         cells = ["-".rjust(10) if r[n][2] is None else f"{r[n][2]:.2f}x".rjust(10) for n in names]
-        lines.append("  ".join([r["class"].ljust(8), str(r["concurrency"]).rjust(4), *cells]))
+        which = [(r.get("endpoint") or "").ljust(width)] if width else []
+        lines.append(
+            "  ".join([*which, r["class"].ljust(8), str(r["concurrency"]).rjust(4), *cells])
+        )
     return "\n".join(lines)

@@ -11,6 +11,7 @@ failure is a measurement.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import time
 from collections.abc import Callable
@@ -68,9 +69,16 @@ def record_of(
     tokens, source = c.completion_tokens, "usage"
     if tokens is None and times:
         tokens, source = len(times), "chunks"
-    e2e = c.latency_s * 1000
-    ttft = c.ttft_s * 1000 if c.ttft_s is not None else None
-    tpot = (e2e - ttft) / (tokens - 1) if ttft is not None and tokens and tokens > 1 else None
+    if not c.text and not times and not tokens:  # a 200 with nothing in it (a server shedding
+        record.error_code, record.error = "empty", "an answer without a token"  # load so)
+        return record
+    # From sending to the last byte, whatever the client did inside (asked again without
+    # streaming after an empty stream, or without stream_options after a 400): the answer's
+    # own timings are from its last sending, `before` it.
+    e2e, before = elapsed * 1000, max(0.0, elapsed - c.latency_s) * 1000
+    ttft = before + c.ttft_s * 1000 if c.ttft_s is not None else None
+    decoding = e2e - ttft if ttft is not None else None
+    tpot = decoding / (tokens - 1) if decoding is not None and tokens and tokens > 1 else None
     valid = check.check(c.text, c.finish_reason).ok if check is not None else None
     return replace(
         record,
@@ -116,6 +124,8 @@ async def run_cell(
 
     check = SchemaCheck(cls.schema) if cls.schema else None  # compiled once per cell
     count = max(plan.repeat, level)
+    if plan.rate is None:  # whole rounds: a last round of fewer than `level` would leave
+        count = math.ceil(count / level) * level  # slots idle, and the level's throughput low
     await _drive(send, range(plan.warmup), level, None, plan.seed, clock)
     started = clock()
     records = await _drive(

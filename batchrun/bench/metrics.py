@@ -70,6 +70,8 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
     """One cell (endpoint x class x concurrency): distributions, throughput, errors."""
     ok = [r for r in records if r.ok]
     tokens = sum(r.output_tokens or 0 for r in ok)
+    # An answer whose token count is unknown (no usage, not streamed): tokens/s unknown too
+    counted = all(r.output_tokens is not None for r in ok)
     checked = [r.schema_valid for r in ok if r.schema_valid is not None]
     timing_keys = sorted({k for r in ok for k in (r.server_timing or {})})
     server = {
@@ -85,7 +87,8 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
         "errors": dict(Counter(r.error_code or "error" for r in records if not r.ok)),
         "wall_s": wall_s,
         "request_throughput": len(ok) / wall_s if wall_s > 0 else None,
-        "output_throughput": tokens / wall_s if wall_s > 0 else None,
+        "output_throughput": tokens / wall_s if wall_s > 0 and counted else None,
+        "tokens_unknown": not counted,
         "ttft_ms": distribution([r.ttft_ms for r in ok if r.ttft_ms is not None]),
         "tpot_ms": distribution([r.tpot_ms for r in ok if r.tpot_ms is not None]),
         "itl_ms": distribution([gap for r in ok for gap in r.itl_ms]),
@@ -111,7 +114,7 @@ def sample_warnings(cell: dict[str, Any]) -> list[str]:
 
 
 def knee(levels: list[tuple[int, float, float | None, float]]) -> dict[str, Any]:
-    """The recommended concurrency from (concurrency, output tok/s, P95 E2E ms, success rate)
+    """The recommended concurrency from (concurrency, throughput, P95 E2E ms, success rate)
     per level: the last level before throughput grows by less than 10% while P95 latency keeps
     rising, or before requests start failing."""
     ordered = sorted(levels)
@@ -133,7 +136,9 @@ def knee(levels: list[tuple[int, float, float | None, float]]) -> dict[str, Any]
                 "reason": f"{c} -> {c_next}: throughput {gain} (under {KNEE_GAIN - 1:.0%}), "
                 f"P95 latency {p95_next / p95 - 1:+.0%}",
             }
-    return {
-        "concurrency": ordered[-1][0],
-        "reason": "throughput still growing at the highest level measured: try higher levels",
-    }
+    top = ordered[-1]
+    if len(ordered) > 1 and top[1] < ordered[-2][1] * KNEE_GAIN:  # and P95 did not rise
+        reason = "throughput flat at the highest levels, P95 latency too: no knee seen"
+    else:
+        reason = "throughput still growing at the highest level measured: try higher levels"
+    return {"concurrency": top[0], "reason": reason}

@@ -1,7 +1,8 @@
 """A bench run's files: results.json (everything, per request), summary.csv (one row per cell),
 report.md (tables, knees, warnings), and the console table.
 
-results.json shape: {label, created, settings, selftest, endpoints: [{name, base_url, model}],
+results.json shape: {label, created, settings, selftest, endpoints: [{name, base_url, model,
+error (only where it could not be measured)}],
 cells: [{endpoint, class, concurrency, client_bound, ...metrics.summarize()}],
 knees: [{endpoint, class, concurrency, reason}], requests: [RequestRecord...]}.
 """
@@ -119,6 +120,8 @@ def table(cells: list[dict[str, Any]]) -> list[list[str]]:
             note.append("few samples")
         if c.get("tokens_from_chunks"):
             note.append("tokens=chunks")
+        if c.get("tokens_unknown"):
+            note.append("tokens unknown")
         rows.append(
             [
                 c["endpoint"],
@@ -202,7 +205,11 @@ def markdown(results: dict[str, Any]) -> str:
         for k in results["knees"]
     ]
     lines += ["", "## Endpoints", ""]
-    lines += [f"- {e['name']}: {e['base_url']} model {e['model']}" for e in results["endpoints"]]
+    lines += [
+        f"- {e['name']}: {e['base_url']} "
+        + (f"not measured: {e['error']}" if e.get("error") else f"model {e['model']}")
+        for e in results["endpoints"]
+    ]
     notes = _warnings(results)
     if notes:
         lines += ["", "## Notes", "", *(f"- {n}" for n in notes)]

@@ -21,7 +21,7 @@ from batchrun.bench.selftest import client_bound, self_test
 from batchrun.bench.suite import Suite
 from batchrun.config import RunSpec, preset_for
 from batchrun.endpoints import shown_endpoint
-from batchrun.errors import UsageError
+from batchrun.errors import RequestError, UsageError
 
 
 @dataclass(frozen=True)
@@ -61,33 +61,67 @@ async def run_bench(
         say("client self-test against the built-in simulator ...")
         st = await self_test(max(plan.levels))
     cells: list[tuple[Cell, dict[str, Any]]] = []
-    described = []
-    for endpoint in endpoints:
-        backend = build_backend(endpoint.spec, transport)
-        shown = shown_endpoint(endpoint.spec.base_url)
-        try:
-            listed = [] if endpoint.spec.model else await backend.list_models()
-            model = endpoint.spec.model or (listed[0] if listed else None)
-            style = preset_for(endpoint.spec).guided_style if guided else None
-            run_plan = LoadPlan(
-                plan.levels, plan.repeat, plan.warmup, plan.rate, plan.seed, model, style
+    described: list[dict[str, Any]] = []
+    failed: list[RequestError] = []
+    try:
+        for endpoint in endpoints:
+            try:
+                await _measure(endpoint, suite, plan, guided, transport, say, cells, described)
+            except RequestError as exc:  # one endpoint down: the others are still measured
+                say(f"  {endpoint.name}: {exc}")
+                shown = shown_endpoint(endpoint.spec.base_url)
+                error = {"error": str(exc), "model": endpoint.spec.model}
+                described.append({"name": endpoint.name, "base_url": shown, **error})
+                failed.append(exc)
+    finally:  # what was measured is written, whatever stopped the run (Ctrl-C too)
+        results = _results(label, started, plan, suite, guided, st, described, cells)
+        if cells or not failed:
+            _write(folder, results, say, show)
+    if failed:  # said after the files: exit as for that error
+        raise failed[0]
+    return results
+
+
+async def _measure(
+    endpoint: Endpoint,
+    suite: Suite,
+    plan: LoadPlan,
+    guided: bool,
+    transport: Transport | None,
+    say: Callable[[str], None],
+    cells: list[tuple[Cell, dict[str, Any]]],
+    described: list[dict[str, Any]],
+) -> None:
+    """One endpoint's sweep, each cell added to `cells` as it ends."""
+    backend = build_backend(endpoint.spec, transport)
+    shown = shown_endpoint(endpoint.spec.base_url)
+    try:
+        listed = [] if endpoint.spec.model else await backend.list_models()
+        model = endpoint.spec.model or (listed[0] if listed else None)
+        style = preset_for(endpoint.spec).guided_style if guided else None
+        run_plan = LoadPlan(
+            plan.levels, plan.repeat, plan.warmup, plan.rate, plan.seed, model, style
+        )
+        described.append({"name": endpoint.name, "base_url": shown, "model": model})
+
+        def done(cell: Cell) -> None:
+            summary = summarize(cell.records, cell.wall_s)
+            cells.append((cell, summary))
+            say(
+                f"  {cell.endpoint} / {cell.cls} @ {cell.concurrency}: "
+                f"{summary['succeeded']}/{summary['requests']} ok, "
+                f"{summary['output_throughput'] or 0:,.0f} out tok/s"
             )
-            described.append({"name": endpoint.name, "base_url": shown, "model": model})
 
-            def done(cell: Cell) -> None:
-                summary = summarize(cell.records, cell.wall_s)
-                cells.append((cell, summary))
-                say(
-                    f"  {cell.endpoint} / {cell.cls} @ {cell.concurrency}: "
-                    f"{summary['succeeded']}/{summary['requests']} ok, "
-                    f"{summary['output_throughput'] or 0:,.0f} out tok/s"
-                )
+        say(f"benchmarking {endpoint.name} ({shown}, model {model}) ...")
+        await sweep(backend, endpoint.name, suite, run_plan, on_cell=done)
+    finally:
+        await backend.aclose()
 
-            say(f"benchmarking {endpoint.name} ({shown}, model {model}) ...")
-            await sweep(backend, endpoint.name, suite, run_plan, on_cell=done)
-        finally:
-            await backend.aclose()
-    results = _results(label, started, plan, suite, guided, st, described, cells)
+
+def _write(
+    folder: Path, results: dict[str, Any], say: Callable[[str], None], show: Callable[[str], None]
+) -> None:
     files = report.write_all(folder, results)
     if plots.available():
         files += plots.write_charts(folder, [("", results)])
@@ -95,7 +129,6 @@ async def run_bench(
         say(plots.MISSING)
     show(report.console(results))
     say(f"wrote {', '.join(p.name for p in files)} to {folder}")
-    return results
 
 
 def _results(
@@ -124,7 +157,7 @@ def _results(
             levels = [
                 (
                     r["concurrency"],
-                    r["output_throughput"] or 0.0,
+                    _throughput(r),
                     r["e2e_ms"]["p95"],
                     r["success_rate"] or 0.0,
                 )
@@ -159,6 +192,13 @@ def _results(
         "knees": knees,
         "requests": [r.to_json() for c, _s in cells for r in c.records],
     }
+
+
+def _throughput(cell: dict[str, Any]) -> float:
+    """What the knee compares: output tokens/s, or requests/s where tokens are unknown."""
+    if cell["tokens_unknown"] or cell["output_throughput"] is None:
+        return float(cell["request_throughput"] or 0.0)
+    return float(cell["output_throughput"])
 
 
 def output_folder(outputs: Path, label: str) -> Path:

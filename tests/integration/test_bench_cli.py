@@ -125,7 +125,7 @@ def test_every_file_is_written_and_compare_puts_two_runs_side_by_side(
     a = _bench(cli, run_a, "--endpoint", f"fast={fast}", *common)
     b = _bench(cli, run_b, "--endpoint", f"slow={slow}", *common)
     for run, data in ((run_a, a), (run_b, b)):
-        assert len(data["cells"]) == 4 and len(data["requests"]) == 12
+        assert len(data["cells"]) == 4 and len(data["requests"]) == 14  # 3, 4 (2 rounds of 2)
         rows = list(csv.DictReader((run / "summary.csv").open()))
         assert [(r["class"], r["concurrency"]) for r in rows] == [
             ("short", "1"),

@@ -46,6 +46,9 @@ def test_knee_is_the_last_level_that_still_bought_throughput() -> None:
     # a flat step whose latency does not rise is not a knee yet
     flat = [(1, 100.0, 60.0, 1.0), (2, 105.0, 50.0, 1.0), (4, 300.0, 55.0, 1.0)]
     assert knee(flat)["concurrency"] == 4
+    # flat at the top, latency too: not "still growing"
+    top = knee([(1, 100.0, 50.0, 1.0), (2, 190.0, 51.0, 1.0), (4, 195.0, 51.0, 1.0)])
+    assert top["concurrency"] == 4 and "no knee seen" in top["reason"], top
 
 
 def test_knee_stops_before_a_level_where_requests_fail() -> None:
@@ -187,9 +190,9 @@ async def test_a_sweep_over_the_simulator_records_every_request(anyio_backend: s
         await backend.aclose()
     assert [(c.cls, c.concurrency, len(c.records)) for c in cells] == [
         ("short", 1, 4),
-        ("short", 3, 4),
+        ("short", 3, 6),  # whole rounds of 3: no slot idle at the end of a level
         ("json", 1, 4),
-        ("json", 3, 4),
+        ("json", 3, 6),
     ]
     short = [r for c in cells if c.cls == "short" for r in c.records]
     assert all(r.ok and r.output_tokens == 12 and r.tokens_from == "usage" for r in short)
