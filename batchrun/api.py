@@ -28,7 +28,7 @@ from batchrun import jobs as verbs
 from batchrun.config import RunOptions, RunSpec, load_spec_file
 from batchrun.errors import UsageError
 from batchrun.jobs import Home
-from batchrun.ledger import IngestReport, Job, Ledger, left, shown_url
+from batchrun.ledger import IngestReport, Job, Ledger, ledger_file, left, shown_url
 from batchrun.outputs import FORMATS, Result, result_of
 from batchrun.progress import ProgressUpdate
 from batchrun.report import JobAborted, JobReport, checked
@@ -342,10 +342,9 @@ def _home(home: PathLike, ledger: str | None) -> Home:
 def _ledger(where: Home, *, existing: bool = False) -> Iterator[Ledger]:
     """The ledger, open for one verb. `existing`: a verb that only reads refuses to make one
     (a mistyped home would otherwise get a new, empty ledger)."""
-    if existing and where.ledger_url.startswith("sqlite:///"):
-        file = Path(where.ledger_url.removeprefix("sqlite:///"))
-        if not file.exists():
-            raise UsageError(f"no ledger at {file} (is home {where.root} right?)")
+    file = ledger_file(where.ledger_url) if existing else None
+    if file is not None and not file[0].exists():
+        raise UsageError(f"no ledger at {file[0]} (is home {where.root} right?)")
     led = Ledger(where.ledger_url)
     try:
         yield led

@@ -191,7 +191,9 @@ class InputReader:
             return BadLine(number, str(problem))
 
     def _build(self, number: int, obj: dict[str, Any], *, may_hold_nul: bool) -> InputItem:
-        if "custom_id" in obj or "body" in obj:
+        # The Batch API's shape, unless the line is a prompt (whose `body` field, an email's
+        # say, is its own: kept as meta like any field that is not a request's)
+        if ("custom_id" in obj or "body" in obj) and "prompt" not in obj and "messages" not in obj:
             endpoint, body, item_id, meta = _batch_shape(obj)
         else:
             endpoint, body, item_id, meta = _plain_shape(obj, self.endpoint)

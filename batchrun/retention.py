@@ -38,10 +38,13 @@ def gc(
         read_by = {job.name: job.input_path for job in led.list_jobs()}  # --all deletes jobs
         done = led.collect(before=time.time() - age, everything=everything, ttl=LEASE_TTL)
         left = led.list_jobs()
+    # Every collected job's files, not only this run's: a gc stopped after its collection
+    # committed (a VACUUM that found the ledger busy) left them, and nothing else removes them.
+    gone = {*done.jobs, *(job.name for job in left if job.collected_at is not None)}
     unread = {read_by[name] for name in done.jobs}
     unread |= {job.input_path for job in left if job.collected_at is not None}
     unread -= {job.input_path for job in left if job.collected_at is None}
-    for name in done.jobs:
+    for name in gone:
         for path in (*(where.output_path(name, fmt) for fmt in FORMATS), where.log_path(name)):
             path.unlink(missing_ok=True)
     for path in _rows_files(unread, where.root / "inputs"):

@@ -19,13 +19,13 @@ errors mean "the database is out of reach for now" rather than "this cannot work
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from sqlalchemy import CTE, Connection, Engine, Select, create_engine, event, select, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, OperationalError, SQLAlchemyError
 
 from batchrun.errors import LedgerError
 from batchrun.ledger.schema import jobs
@@ -53,11 +53,21 @@ REFUSALS = (
 )
 
 
-def _is_uri(query: Mapping[str, object]) -> bool:
-    """An SQLite URI (`sqlite:///file:/path?mode=ro&uri=true`) is opened by SQLite as written:
-    its `file:` text is no folder of ours to create (it was one named `file:` here), and a
-    read-only one must not be made."""
-    return str(query.get("uri", "")).lower() in ("true", "1")
+def ledger_file(url: str) -> tuple[Path, bool] | None:
+    """The file an SQLite ledger URL names, and whether it is an SQLite URI
+    (`sqlite:///file:/path?mode=ro&uri=true`, opened by SQLite as written: no folder of ours to
+    create, and a read-only one must not be made); None for another database or for memory."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:  # not a URL: opening it says so
+        return None
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    database = parsed.database
+    uri = str(parsed.query.get("uri", "")).lower() in ("true", "1")
+    if uri and database.startswith("file:"):
+        database = urlsplit(database).path
+    return Path(database), uri
 
 
 class Dialect:
@@ -69,10 +79,9 @@ class Dialect:
     def engine(self, url: str) -> Engine:
         """An engine for `url` that follows the ledger's transaction rules: a connection marked
         with WRITE_OPTION holds the write lock from its BEGIN; a read never waits for a writer."""
-        parsed = make_url(url)
-        database = parsed.database or ""
-        if database and database != ":memory:" and not _is_uri(parsed.query):
-            folder = Path(database).parent
+        file = ledger_file(url)
+        if file is not None and not file[1]:
+            folder = file[0].parent
             try:
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
@@ -112,6 +121,11 @@ class Dialect:
         raw = engine.raw_connection()  # the driver's own: VACUUM runs outside a transaction
         try:
             raw.cursor().execute("VACUUM")
+        except engine.dialect.loaded_dbapi.Error as exc:  # outside SQLAlchemy's own errors
+            reason = str(exc)
+            raise LedgerError(
+                f"ledger error while reclaiming space: {reason}", busy="locked" in reason
+            ) from None
         finally:
             raw.close()
 
