@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from batchrun.endpoints import not_a_name, parse_endpoints
+from batchrun.endpoints import not_a_name, parse_endpoints, url_problem
 from batchrun.errors import OptionError, UsageError
 from batchrun.presets import PRESETS, Preset
 
@@ -361,12 +361,17 @@ def _validate(spec: RunSpec, preset: Preset | None) -> None:
     if spec.max_concurrency < 1:
         raise OptionError("{max_concurrency} must be at least 1")
     metrics = spec.server_metrics
-    plain = metrics.isprintable() and not any(ch.isspace() for ch in metrics)
-    if metrics not in ("auto", "off") and not (
-        metrics.startswith(("http://", "https://")) and plain
-    ):
-        got = OptionError.quoted(metrics)
-        raise OptionError(f"{{server_metrics}} must be auto, off or an http(s) URL, got {got}")
+    if metrics not in ("auto", "off") and (problem := url_problem(metrics)) is not None:
+        got = OptionError.quoted(metrics) if metrics.isprintable() else "another text"
+        raise OptionError(
+            f"{{server_metrics}} must be auto, off or an http(s) URL, got {got}: {problem}"
+        )
+    # the URLs themselves never shown: one may hold a user:password@
+    for e in parse_endpoints(spec.endpoints):  # first: the job's base URL is the first's
+        if (problem := url_problem(e.url)) is not None:
+            raise UsageError(f"--endpoint {e.name}: its URL {problem}")
+    if spec.base_url and (problem := url_problem(spec.base_url)) is not None:
+        raise OptionError(f"{{base_url}} {problem}")
     for name in ("rpm", "tpm"):
         value = getattr(spec, name)
         if value is not None and value <= 0:

@@ -128,6 +128,21 @@ def _token_like(text: str) -> bool:
     )
 
 
+def url_problem(url: str) -> str | None:
+    """Why `url` is not an http(s) URL a request can be sent to, or None. Never echoes the URL
+    (it may hold a `user:password@`)."""
+    if not url.startswith(("http://", "https://")):
+        return "must be an http:// or https:// URL"
+    if not url.isprintable() or any(ch.isspace() for ch in url):
+        return "has a space or a control character in it"
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # a port that is not a number raises here
+    except ValueError as exc:
+        return f"is not a URL that can be read ({exc})"
+    return None if parts.hostname else "names no host"
+
+
 def shown_endpoint(url: str) -> str:
     """An endpoint's URL as it may be shown: a `user:password@` in it becomes `***@`."""
     parts = urlsplit(url)

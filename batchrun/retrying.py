@@ -18,6 +18,7 @@ import anyio
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 from tenacity.wait import wait_random_exponential
 
+from batchrun.backends.errors_http import MAX_RETRY_AFTER
 from batchrun.errors import (
     ConnectionFailed,
     EmptyStream,
@@ -33,7 +34,6 @@ T = TypeVar("T")
 Sleep = Callable[[float], Awaitable[None]]
 Clock = Callable[[], float]
 
-MAX_RETRY_AFTER = 300.0
 OUTAGE_STATUSES = (500, 502, 503, 504)
 
 
@@ -199,8 +199,11 @@ class RetryPolicy:
         exc = state.outcome.exception() if state.outcome else None
         hinted = getattr(exc, "retry_after", None)
         if hinted is not None:
-            return float(min(hinted, MAX_RETRY_AFTER))
-        wait = float(self._backoff(state))
+            wait = float(min(hinted, MAX_RETRY_AFTER))
+        else:
+            wait = float(self._backoff(state))
+        # in an outage, a maintenance page's long Retry-After too: the outage's own look
+        # comes at its pace, so --outage-timeout stops the job when it says
         return min(wait, self._outage_wait) if self.outage.down else wait
 
     async def call(self, fn: Callable[[], Awaitable[T]], key: Hashable = None) -> T:

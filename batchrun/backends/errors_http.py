@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import email.utils
+import math
 import re
 import time
 from collections.abc import Mapping
@@ -54,43 +55,60 @@ def message_of(data: Any, fallback: str) -> str:
     return " ".join(text[: 4 * MAX_MESSAGE].split())[:MAX_MESSAGE]
 
 
+# The longest a server's Retry-After is waited: a longer one (a day, `inf`) from one
+# answer would hold every request of the job, silently.
+MAX_RETRY_AFTER = 300.0
+# A rate limit's reset longer than this is no window of its own (a daily budget's is a day).
+MAX_RESET_S = 86_400.0
+EPOCH_S = 1e9  # a "seconds" value past this (2001) is a Unix time, as X-RateLimit-Reset gives
+
+
 def retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:
-    """Seconds to wait, from `retry-after-ms` or `retry-after` (seconds or an HTTP date)."""
+    """Seconds to wait, from `retry-after-ms` or `retry-after` (seconds or an HTTP date), at
+    most MAX_RETRY_AFTER; None where it is missing or unreadable (`inf`, `NaN`)."""
     ms = headers.get("retry-after-ms")
     if ms:
         try:
-            return max(0.0, float(ms) / 1000)
+            return _within(float(ms) / 1000, MAX_RETRY_AFTER)
         except ValueError:
             pass
     value = headers.get("retry-after")
     if not value:
         return None
     try:
-        return max(0.0, float(value))
+        return _within(float(value), MAX_RETRY_AFTER)
     except ValueError:
         pass
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):
         return None
-    return max(0.0, when.timestamp() - (now if now is not None else time.time()))
+    return _within(when.timestamp() - (now if now is not None else time.time()), MAX_RETRY_AFTER)
+
+
+def _within(seconds: float, most: float) -> float | None:
+    return min(max(0.0, seconds), most) if math.isfinite(seconds) else None
 
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
-def parse_duration(text: str) -> float | None:
-    """OpenAI/Groq style reset durations: "1s", "0.5s", "120ms", "6m0s", "1h2m3.5s"."""
+def parse_duration(text: str, now: float | None = None) -> float | None:
+    """OpenAI/Groq style reset durations: "1s", "0.5s", "120ms", "6m0s", "1h2m3.5s"; a bare
+    number of seconds, or a Unix time (many APIs' X-RateLimit-Reset), read as the seconds to
+    it. At most a day; None where it is unreadable."""
     text = text.strip()
     try:
-        return max(0.0, float(text))
+        seconds = float(text)
     except ValueError:
-        pass
-    parts = _DURATION.findall(text)
-    if not parts or "".join(n + u for n, u in parts) != text:
-        return None
-    return sum(float(n) * _UNIT_S[u] for n, u in parts)
+        parts = _DURATION.findall(text)
+        if not parts or "".join(n + u for n, u in parts) != text:
+            return None
+        seconds = sum(float(n) * _UNIT_S[u] for n, u in parts)
+    if seconds > EPOCH_S and math.isfinite(seconds):
+        seconds -= now if now is not None else time.time()
+    return _within(seconds, MAX_RESET_S)
 
 
 def rate_info(headers: Mapping[str, str]) -> RateInfo | None:
@@ -102,7 +120,7 @@ def rate_info(headers: Mapping[str, str]) -> RateInfo | None:
         value = headers.get(name)
         try:
             return int(float(value)) if value is not None else None
-        except ValueError:
+        except (ValueError, OverflowError):  # not a number, or `inf`
             return None
 
     def duration(name: str) -> float | None:
@@ -132,7 +150,8 @@ def error_for_status(
         return NotFound(f"{message} (unknown model or path: {url})", status=status)
     if status == 429:
         rate = rate_info(headers)
-        spent = rate is not None and 0 in (rate.remaining_requests, rate.remaining_tokens)
+        left = (rate.remaining_requests, rate.remaining_tokens) if rate is not None else ()
+        spent = any(n is not None and n <= 0 for n in left)  # overdrawn (< 0) is spent too
         return RateLimited(
             message, status=status, retry_after=retry_after(headers), budget_spent=spent
         )

@@ -85,7 +85,7 @@ class MetricsReader:
                     self.last_error = f"HTTP {response.status_code}"
                     return None
                 return await self._capped(response)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL: not an HTTPError
             self.last_error = type(exc).__name__
             return None
 
