@@ -8,31 +8,28 @@ What a serving engineer concludes from a server, done continuously:
   round trip here is a time to first token, not a whole answer: long answers do not slow the
   ramp. Without streaming, an answer frees its slot and opens one more.
 - **Knee.** The ramp stops at the first sign of a queue at the server: its own metrics (requests
-  waiting; then it settles where the queue began), or time to first token well above the
-  unloaded value for most recent requests (then it settles where it is: a rising time to first
-  token may be a queue or prefill contention while throughput still grows, and throughput
-  decides which). Throughput is read from the curve of throughput against concurrency
-  (evidence.py), built from every answer with Little's law, each level judged on many answers,
-  never on how one burst of completions happened to be spread.
+  waiting: it settles where the queue began), or time to first token well above the unloaded
+  value for most recent requests (it settles where it is: that may be a queue, or prefill
+  contention while throughput still grows, and throughput decides which). Throughput is read
+  from the curve of throughput against concurrency (evidence.py), built from every answer with
+  Little's law, each level judged on many answers, never on one burst of completions.
 - **Steady.** Now and then the limit probes higher (boldly right after a first-token knee, and
   only while the curve shows half the level giving clearly less); a probe is kept when it
-  bought 5% more throughput and more than chance explains, and kept probes grow bolder (a
-  recovery ramp). When the curve says a level elsewhere gives clearly
-  more, the limit moves there; while requests queue and a lower level gives as much, it moves
-  down to it.
+  bought 5% more throughput and more than chance explains, and kept probes grow bolder. When
+  the curve says a level elsewhere gives clearly more, the limit moves there; while requests
+  queue and a lower level gives as much, it moves down to it.
 - **Frontier.** However the limit grows, only a few requests at a time go above the most the
-  server has yet accepted (a success status, long before any token; streamed answers only,
-  since a plain answer's status comes with the answer itself): a server that refuses
-  past a line it draws (a gateway's concurrency cap, a 429 gate) refuses those few, not the
-  whole burst that a doubling would have sent before the first refusal came back. Against a
-  server that accepts at once, this costs the ramp a round trip of response heads per step.
-- **Failures.** While ramping, a refusal, cut answer or timeout at a new height steps back below
-  it at once, and a second at about the same height makes a ceiling. Later, failures are
-  capacity evidence only when they concentrate at high concurrency (evidence.failure_split);
-  the level where they begin becomes a ceiling, looked past now and then by binary search.
-  Scattered faults, spread over all levels, change nothing, so a background error rate cannot
-  pin the limit to the floor. A server that cuts a running answer when another request arrives
-  (one at a time) shows exactly that pattern at 2 and settles at 1.
+  server has yet accepted (a success status, long before any token; streamed answers only):
+  a server that refuses past a line it draws (a gateway's cap, a 429 gate) refuses those few,
+  not the whole burst a doubling would have sent before the first refusal came back.
+- **Failures** are capacity evidence only where they are common (evidence.Outcomes: a
+  refusal weighed against the statuses that come as soon, other failures against answers).
+  While ramping, a refusal, cut answer or timeout at a new height steps back below it at once,
+  and a second at about the same height makes a ceiling if they are common there. Later, the
+  level where failures begin to concentrate (evidence.failure_split) becomes a ceiling, looked
+  past now and then by binary search (with the server's own counts too). Scattered faults
+  change nothing, so a background error rate cannot pin the limit. A server that cuts a
+  running answer when another arrives shows exactly that pattern at 2 and settles at 1.
 
 Nothing here does I/O or reads a clock: callers pass `now` and what they observed, so every
 decision is unit-testable with synthetic observation streams.
@@ -41,19 +38,19 @@ decision is unit-testable with synthetic observation streams.
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 
 from batchrun.evidence import (
     MIN_SAMPLES,
     Curve,
     Observation,
+    Outcomes,
     Period,
     QueueSignal,
     failure_split,
     refusal_wave,
 )
-from batchrun.server_metrics import ServerLoad
+from batchrun.server_metrics import PagePart, ServerLoad
 
 STEADY = 0.95  # a request sent with this share of the limit in flight shows the limit's load
 FULL_WINDOW = 0.75  # a request sent with this share of the limit in flight: the limit was binding
@@ -64,7 +61,6 @@ NOISE_MARGIN = 1.5  # ... and the gain is over 1.5 standard errors of the differ
 PROBE_EVERY = 4  # steady evaluations between probes
 MAX_PROBE_STEP = 4.0  # kept probes double the next one's step, up to this factor
 LOAD_FAILURES = ("refused", "cut", "timeout")  # kinds that more load brings on
-RECENT_OUTCOMES = 256
 PAST_CEILING_S = 15.0  # a ceiling stands this long before a look past it (then twice as long)
 REPORT_STEP = 1.25  # a ramp is reported each time the limit grows by a quarter
 FRONTIER = 2  # requests in flight above the most the server has accepted: at least this many
@@ -91,8 +87,7 @@ class ConcurrencyController:
         self.history: list[tuple[float, Change]] = []
         self.curve = Curve()
         self._queue = QueueSignal()
-        self._outcomes: deque[tuple[int, bool]] = deque(maxlen=RECENT_OUTCOMES)
-        self._times: deque[tuple[float, bool]] = deque(maxlen=RECENT_OUTCOMES)  # refused?
+        self._seen = Outcomes()
         self._reported = self.limit
         self._since_change = 0  # answers to requests sent at the current limit
         self._period = Period()  # ... and what they showed; then the limit before
@@ -108,8 +103,7 @@ class ConcurrencyController:
         self._waiting_reads = 0  # consecutive server-metrics reads with a queue
         self._roomy_reads = 0  # ... with no queue while our limit was binding
         self.metrics = False  # the server's own metrics are the queue signal
-        self.slots_partial = False  # a slots page proved to describe part of the server
-        self._over_slots = 0  # consecutive reads with more of ours streaming than its slots
+        self.page = PagePart()  # whether the load page speaks for the whole server
         self.accepted_most = 0  # the most requests in flight that the server has accepted
         self.frontier = True  # pace growth by acceptances (streamed answers only)
 
@@ -125,7 +119,12 @@ class ConcurrencyController:
     # --- feeding it ---------------------------------------------------------------------------
 
     def accepted(self, sent_in_flight: int) -> None:
-        """The server took a request sent with `sent_in_flight` in flight (its own included)."""
+        """The server took a request sent with `sent_in_flight` in flight (its own included):
+        its success status, which comes as soon as a refusal would have."""
+        self._seen.heads.append((sent_in_flight, False))
+        self._took(sent_in_flight)
+
+    def _took(self, sent_in_flight: int) -> None:
         self.accepted_most = max(self.accepted_most, sent_in_flight)
 
     def first_token(
@@ -135,8 +134,8 @@ class ConcurrencyController:
 
         While ramping, a request sent under a lower limit still says whether that level
         queued; once settled, only requests sent at the current limit speak for it."""
-        self._outcomes.append((sent_in_flight, False))  # not refused, not cut before it began
-        self.accepted(sent_in_flight)  # (a backend may not say so apart)
+        self._seen.answers.append((sent_in_flight, False))  # not refused, not cut before it began
+        self._took(sent_in_flight)  # (a backend may not say so apart)
         if self.phase != "ramp" and sent_at_limit != self.limit:
             return None
         if not self.metrics:
@@ -156,16 +155,18 @@ class ConcurrencyController:
         # that arrived later (a server that cuts the running answer for a new one).
         # (A streamed answer was counted at its first token.)
         failed = seen.failure is not None
-        self._times.append((now, seen.failure == "refused"))
+        self._seen.times.append((now, seen.failure == "refused"))
+        if seen.failure == "refused":
+            self._seen.heads.append((seen.blamed, True))
         if failed or seen.ttft is None:
-            self._outcomes.append((seen.blamed, failed))
+            self._seen.answers.append((seen.blamed, failed))
         if seen.failure is not None:
             return self._failed(now, seen)
         if seen.ttft is None:
             # Not streamed: the success status comes with the whole answer, far too late to
             # pace growth by (answers clock the ramp instead); no frontier.
             self.frontier = False
-        self.accepted(seen.sent_in_flight)
+        self._took(seen.sent_in_flight)
         self.curve.add(seen.level, seen.tokens, seen.latency)
         if self.phase == "ramp":
             if seen.ttft is None:  # not streamed: answers are the only clock
@@ -187,19 +188,14 @@ class ConcurrencyController:
         self, now: float, load: ServerLoad, *, in_flight: int, streaming: int = 0
     ) -> Change | None:
         """The server's own running/waiting counts: keep its batch full, its queue near 0.
-
-        `streaming`: ours whose answers are coming in now. More of them than a slots page has
-        slots (past a margin for answers the client has yet to read to the end) means the page
-        is one of several servers behind a balancer: from then on it is ignored."""
-        if load.waiting is None and load.slots is not None:
-            if self.slots_partial:
-                return None
-            over = streaming > load.slots + max(2, load.slots // 4)
-            self._over_slots = self._over_slots + 1 if over else 0
-            if self._over_slots >= 2:  # twice in a row: not a few answers read late
-                self.slots_partial = True
-                self.metrics = False  # first tokens and throughput steer again
-                return self._record(now, Change(self.limit, "slots ignored", "server metrics"))
+        `streaming`: ours whose answers are coming in now (a page of one server of several
+        behind a balancer, PagePart, is ignored from then on)."""
+        if self.page.partial:
+            return None
+        if self.page.read(load, streaming):
+            self.metrics = False  # first tokens and throughput steer again
+            ignored = "slots ignored" if load.slots_page else "metrics ignored"
+            return self._record(now, Change(self.limit, ignored, "server metrics"))
         self.metrics = True
         waiting = load.waiting_with(in_flight)
         allowance = max(1.0, 0.05 * load.running)
@@ -210,8 +206,7 @@ class ConcurrencyController:
                 # Ours that run: in flight less those waiting, and never more than the server
                 # runs (on a busy client some of "in flight" have not reached it yet).
                 ours = in_flight - waiting
-                running = min(ours, load.running) if load.running else ours
-                target = math.ceil(running + allowance)
+                target = math.ceil(min(ours, load.running or ours) + allowance)
                 if target < self.limit:
                     return self._settle(now, target, "queue", "server metrics")
             return None
@@ -223,16 +218,18 @@ class ConcurrencyController:
         # (then more in flight would only wait in the client).
         arrived = load.running + waiting >= FULL_WINDOW * in_flight
         self._roomy_reads = self._roomy_reads + 1 if binding and arrived and not full else 0
-        if self.phase != "ramp" and self._roomy_reads >= 2:
+        if self.phase == "steady" and self._roomy_reads >= 2:
             self._roomy_reads = 0
+            if self.ceiling is not None and self.limit >= self._cap():
+                return self._look_past(now, "server metrics")  # failures drew it: they judge
             grown = min(self._cap(), self.limit + max(1, self.limit // 8))
             return self._set(now, grown, "room", "server metrics")
         return None
 
     def server_quiet(self) -> None:
         """The server's counts stopped coming: first tokens and throughput steer meanwhile."""
-        self.metrics = False
-        self._waiting_reads = self._roomy_reads = self._over_slots = 0
+        self.metrics, self._waiting_reads, self._roomy_reads = False, 0, 0
+        self.page.quiet()
 
     # --- deciding -----------------------------------------------------------------------------
 
@@ -308,16 +305,20 @@ class ConcurrencyController:
             step = 1.25  # bold only while the curve still climbs: past a knee it costs a queue
         target = min(self.maximum, max(self.limit + 1, math.ceil(self.limit * step)))
         if self.ceiling is not None and target > self.ceiling:
-            past = self._past_ceiling(now)
-            if past is None:
-                return None
-            target = past
+            return self._look_past(now, "throughput")
+        return self._probe_to(now, target, "throughput")
+
+    def _look_past(self, now: float, signal: str) -> Change | None:
+        """A probe past the ceiling, when one is due (_past_ceiling); judged by failures."""
+        past = self._past_ceiling(now)
+        return None if past is None else self._probe_to(now, min(self.maximum, past), signal)
+
+    def _probe_to(self, now: float, target: int, signal: str) -> Change | None:
         self._evaluations = 0
         if target <= self.limit:
             return None
-        self._probe_from = self.limit
-        self.phase = "probe"
-        return self._set(now, target, "probe", "throughput")
+        self._probe_from, self.phase = self.limit, "probe"
+        return self._set(now, target, "probe", signal)
 
     def _past_ceiling(self, now: float) -> int | None:
         """Where to look past the ceiling: halfway to where failures began (a binary search
@@ -350,14 +351,13 @@ class ConcurrencyController:
         self._probe_step = 1.25
         return self._set(now, self._probe_from, "probe reverted", "throughput")
 
-    def _beats(self, rate: float, before: float) -> bool:
-        """The probe bought 5% more, and more than chance moves such averages."""
+    def _beats(self, rate: float, before: float) -> bool:  # 5% more, and more than chance
         noise = math.hypot(self._period.error(), self._before.error())
         return rate >= PROBE_GAIN * before and rate - before > NOISE_MARGIN * noise
 
     def _failed(self, now: float, seen: Observation) -> Change | None:
         """Capacity evidence only when failures concentrate at high concurrency."""
-        if seen.failure == "refused" and refusal_wave(self._times, now):
+        if seen.failure == "refused" and refusal_wave(self._seen.times, now):
             # A spent budget: everyone waits, not each one alone.
             self.pause_until = max(self.pause_until, now + (seen.retry_after or 1.0))
         load_bound = seen.failure in LOAD_FAILURES
@@ -365,8 +365,9 @@ class ConcurrencyController:
             return self._ramp_failure(now, seen)
         fail_level = self._fail_level
         if load_bound and self.phase == "probe" and fail_level and seen.blamed >= fail_level:
-            return self._ceiling_at(now, fail_level, seen)  # where failures began before
-        split = failure_split(self._outcomes)
+            common = self._seen.concentrated(fail_level, seen.failure, heads=self.frontier)
+            return self._ceiling_at(now, fail_level, seen) if common else None  # else: scattered
+        split = failure_split(self._seen.weighed(seen.failure, heads=self.frontier))
         if split is None or split[1] > seen.blamed:
             return None  # scattered, or this failure came from below the line: bad luck
         return self._ceiling_at(now, split[1], seen)
@@ -378,8 +379,12 @@ class ConcurrencyController:
         level = seen.blamed
         twice = [f for f in self._ramp_failures if abs(f - level) <= max(1, level // 10)]
         self._ramp_failures.append(level)
-        if twice:
-            return self._ceiling_at(now, min(level, *twice), seen)
+        if twice:  # a line, if they are common there; scattered (a busy hosted API) if not
+            line = min(level, *twice)
+            common = self._seen.concentrated(line, seen.failure, heads=self.frontier)
+            return self._ceiling_at(now, line, seen) if common else None
+        if seen.failure == "refused" and self.frontier and level <= self.accepted_most:
+            return None  # not a new height: the server took as many in flight before
         return self._set(now, min(self.limit, level - 1), "step back", f"failures ({seen.failure})")
 
     def _ceiling_at(self, now: float, fail_level: int, seen: Observation) -> Change | None:

@@ -181,3 +181,33 @@ def refusal_wave(times: Iterable[tuple[float, bool]], now: float) -> bool:
     recent = [refused for at, refused in times if at >= now - WAVE_S]
     refused = sum(recent)
     return refused >= MIN_FAILURES and refused >= WAVE_SHARE * len(recent)
+
+
+RECENT_OUTCOMES = 256
+
+
+class Outcomes:
+    """How recent requests ended, by the concurrency they were sent into: what failures are
+    weighed against. A refusal is weighed against the statuses of requests the server took
+    (`heads`: they come as soon, long before the answers), other failures against whole
+    answers (a cut or a timeout comes late too); where statuses are not told apart from
+    answers (not streamed), against answers."""
+
+    def __init__(self) -> None:
+        self.answers: deque[tuple[int, bool]] = deque(maxlen=RECENT_OUTCOMES)  # failed?
+        self.heads: deque[tuple[int, bool]] = deque(maxlen=RECENT_OUTCOMES)  # refused?
+        self.times: deque[tuple[float, bool]] = deque(maxlen=RECENT_OUTCOMES)  # refused?
+
+    def weighed(self, failure: str | None, *, heads: bool) -> deque[tuple[int, bool]]:
+        return self.heads if failure == "refused" and heads and self.heads else self.answers
+
+    def concentrated(self, level: int, failure: str | None, *, heads: bool) -> bool:
+        """Failures are a line at `level` only if they are common there: more than one in
+        three of the recent requests sent with that many in flight or more (the share where
+        failure_split draws a line), and more than twice their share below it."""
+        recent = self.weighed(failure, heads=heads)
+        above = [failed for sent, failed in recent if sent >= level]
+        below = [failed for sent, failed in recent if sent < level]
+        share = sum(above) / len(above) if above else 0.0
+        background = sum(below) / len(below) if below else 0.0
+        return share > 1 / 3 and share > 2 * background

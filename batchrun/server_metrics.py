@@ -43,6 +43,10 @@ class ServerLoad:
     source: str = ""
     slots: int | None = None
 
+    @property
+    def slots_page(self) -> bool:
+        return self.waiting is None and self.slots is not None
+
     def waiting_with(self, in_flight: int) -> float:
         """Requests waiting, with `in_flight` of ours sent. Where the server says how many slots
         it has but not how many wait (llama-server's /slots): none while a slot is free (it
@@ -53,6 +57,29 @@ class ServerLoad:
         if self.slots is None or self.running < self.slots:
             return 0.0
         return max(0.0, in_flight - self.running)
+
+
+class PagePart:
+    """Whether a load page speaks for the whole server, judged by `streaming`, ours whose
+    answers are coming in now: more of them than the page can count (a slots page's slots, a
+    metrics page's running and waiting requests), past a margin for answers the client has
+    yet to read to the end, twice in a row, means the page is one of several servers behind a
+    balancer (llama-servers, vLLM replicas). From then on it is `partial` for good."""
+
+    def __init__(self) -> None:
+        self.partial = False
+        self._over = 0  # consecutive reads with more of ours streaming than it counts
+
+    def read(self, load: ServerLoad, streaming: int) -> bool:
+        """Whether the page is partial, this read included."""
+        counted = load.slots if load.slots_page else load.running + (load.waiting or 0)
+        over = counted is not None and streaming > counted + max(2, int(counted) // 4)
+        self._over = self._over + 1 if over else 0
+        self.partial = self.partial or self._over >= 2
+        return self.partial
+
+    def quiet(self) -> None:
+        self._over = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -348,7 +348,7 @@ def test_answers_still_being_read_are_not_taken_for_a_balancer() -> None:
     ctl = ConcurrencyController(initial=16)  # a burst of late reads, once: not a balancer
     assert ctl.server_load(1.0, busy, in_flight=16, streaming=13) is not None
     assert ctl.server_load(1.5, busy, in_flight=9, streaming=8) is None
-    assert not ctl.slots_partial and ctl.limit == 9
+    assert not ctl.page.partial and ctl.limit == 9
 
 
 def test_free_slots_are_room_to_grow() -> None:
