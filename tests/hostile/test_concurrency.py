@@ -7,10 +7,6 @@ tests/unit/test_controller.py does.
 
 from __future__ import annotations
 
-import heapq
-import itertools
-import random
-
 import pytest
 
 from batchrun.backends.errors_http import error_for_status, rate_info
@@ -19,7 +15,7 @@ from batchrun.evidence import Observation
 from batchrun.limiter import Pacer
 from batchrun.retrying import MAX_RETRY_AFTER
 from batchrun.server_metrics import ServerLoad
-from tests.unit.test_controller import HEAD_S, Run, Shape, share_of_best
+from tests.unit.test_controller import Shape, drive, share_of_best
 
 # --- helpers ---------------------------------------------------------------------------------
 
@@ -44,59 +40,6 @@ def healthy_answers(
             load = ServerLoad(running=min(n, 64), waiting=max(0, n - 64), source="vllm")
             ctl.server_load(now, load, in_flight=n)
     return now
-
-
-def drive_with_faults(
-    ctl: ConcurrencyController, shape: Shape, items: int, *, seed: int, kind: str
-) -> Run:
-    """tests/unit/test_controller.drive, with the scattered faults of the kind given (there they
-    are always `error`): a request fails at its response head with probability
-    `shape.fault_rate`, whatever the load, and is retried later."""
-    rng = random.Random(seed)
-    events: list[tuple[float, int, str, dict[str, float]]] = []
-    order = itertools.count()
-    now, in_flight, pending, sent, failures = 0.0, 0, items, 0, 0
-
-    def send() -> None:
-        nonlocal in_flight, pending, sent
-        in_flight += 1
-        pending -= 1
-        sent += 1
-        n = in_flight
-        rid = next(order)
-        req = {"n": n, "limit": ctl.limit, "at": now}
-        if rng.random() < shape.fault_rate:
-            heapq.heappush(events, (now + HEAD_S, rid, kind, req))
-            return
-        heapq.heappush(events, (now + HEAD_S, rid, "accepted", req))
-        wait = shape.queue_wait(n)
-        heapq.heappush(events, (now + wait + shape.prefill(n), rid, "first", req))
-        heapq.heappush(events, (now + wait + shape.service(n), rid, "end", req))
-
-    while pending or events:
-        while pending and in_flight < ctl.admitted and now >= ctl.pause_until:
-            send()
-        if not events:
-            now = max(now, ctl.pause_until)
-            continue
-        now, _rid, what, req = heapq.heappop(events)
-        n, limit, at = int(req["n"]), int(req["limit"]), req["at"]
-        if what == "accepted":
-            ctl.accepted(n)
-            continue
-        if what == "first":
-            ctl.first_token(now, ttft=now - at, sent_in_flight=n, sent_at_limit=limit)
-            continue
-        in_flight -= 1
-        seen = dict(sent_in_flight=n, ended_in_flight=in_flight + 1, sent_at_limit=limit)
-        if what == "end":
-            ttft = shape.queue_wait(n) + shape.prefill(n)
-            ctl.finished(now, Observation(**seen, tokens=shape.tokens, latency=now - at, ttft=ttft))
-        else:
-            failures += 1
-            pending += 1
-            ctl.finished(now, Observation(**seen, failure=what))
-    return Run(now, sent, failures, ctl)
 
 
 # --- 1. server-aware mode never looks past a ceiling ------------------------------------------
@@ -153,8 +96,8 @@ def test_scattered_refusals_do_not_pin_the_limit(seed: int) -> None:
     a ceiling, and each look past it meets one more scattered refusal and doubles the wait
     before the next look. Seen: the limit held at 17-35 and the job at 0.34-0.63 of the
     server's best (the same bar as the unit test: 0.8, which allows for the lost work)."""
-    shape = Shape(slots=64, fault_rate=0.05)
-    run = drive_with_faults(ConcurrencyController(), shape, 5000, seed=seed, kind="refused")
+    shape = Shape(slots=64, fault_rate=0.05, fault_kind="refused")
+    run = drive(ConcurrencyController(), shape, 5000, seed=seed)
     share = share_of_best(run, shape, 5000)
     assert share >= 0.8 and run.ctl.limit >= 48, (share, run.ctl.limit, run.ctl.ceiling)
 

@@ -33,6 +33,7 @@ class Shape:
     prefill_growth: float = 0.0  # TTFT grows this much (x unloaded) per concurrent prefill
     gate: int | None = None  # refused (429) past this many in flight
     fault_rate: float = 0.0  # scattered failures, whatever the load
+    fault_kind: str = "error"  # "error": halfway through an answer; "refused": at its head
     one_at_a_time: bool = False  # a new request cuts the one running
 
     def prefill(self, n: int) -> float:
@@ -85,11 +86,12 @@ def drive(ctl: ConcurrencyController, shape: Shape, items: int, seed: int = 0) -
             victim = min(running)  # the oldest running answer is cut
             cancelled.add(victim)
             heapq.heappush(events, (now + 0.001, victim, "cut", running.pop(victim)))
-        if shape.gate is not None and n > shape.gate:
+        refused = shape.fault_kind == "refused" and rng.random() < shape.fault_rate
+        if refused or (shape.gate is not None and n > shape.gate):
             heapq.heappush(events, (now + HEAD_S, rid, "refused", req))
             return
         heapq.heappush(events, (now + HEAD_S, rid, "accepted", req))
-        if rng.random() < shape.fault_rate:
+        if shape.fault_kind == "error" and rng.random() < shape.fault_rate:
             heapq.heappush(events, (now + shape.service(n) / 2, rid, "error", req))
             return
         wait = shape.queue_wait(n)
