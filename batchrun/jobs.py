@@ -403,4 +403,5 @@ def finish(ledger: Ledger, home: Home, name: str, spec: RunSpec) -> tuple[dict[s
 
 
 def export(ledger: Ledger, path: Path, name: str, spec: RunSpec, fmt: str = "native") -> int:
-    return write_results(path, ledger.iter_results(name), fmt=fmt, model=spec.model)
+    items = ledger.iter_results(name, models=fmt == "openai")  # its lines name their model
+    return write_results(path, items, fmt=fmt, model=spec.model)

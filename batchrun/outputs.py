@@ -139,7 +139,7 @@ def openai_record(item: StoredItem, model: str | None) -> dict[str, Any]:
                 "id": request_id,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(item.updated_at),  # when the answer was recorded
-                "model": model,
+                "model": item.model or model,  # the line's own, else the job's
                 "choices": [choice],
                 "usage": {
                     "prompt_tokens": prompt,

@@ -116,6 +116,7 @@ class StoredItem:
     reused_job: str | None = None  # the earlier job whose answer this line reused
     reused_line: int | None = None
     answered_by: str | None = None  # the endpoint that answered it
+    model: str | None = None  # the line's own model, where it asked one (read when asked for)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ def job_of(row: RowMapping) -> Job:
     return Job(**{**row, "spec": orjson.loads(row["spec"]), "limit_history": moves})
 
 
-STORED_COLUMNS = [items.c[f.name] for f in fields(StoredItem)]
+STORED_COLUMNS = [items.c[f.name] for f in fields(StoredItem) if f.name in items.c]
 
 # What an item's results add up to over its runs; the rest of a result replaces the old.
 SUMMED = (
@@ -84,14 +84,15 @@ def result_row(
 
 
 def stored_of(row: RowMapping) -> StoredItem:
-    meta, parsed = row["meta"], row["parsed"]
-    return StoredItem(
-        **{
-            **row,
-            "meta": orjson.loads(meta) if meta else None,
-            "parsed": orjson.loads(parsed) if parsed else None,
-        }
-    )
+    """A results row; with its `body` (when the query took it), the model the line asked."""
+    values = dict(row)
+    meta, parsed, body = values["meta"], values["parsed"], values.pop("body", None)
+    values["meta"] = orjson.loads(meta) if meta else None
+    values["parsed"] = orjson.loads(parsed) if parsed else None
+    if body and "model" in body:  # only a line that names one is read
+        asked = orjson.loads(body).get("model")
+        values["model"] = asked if isinstance(asked, str) else None
+    return StoredItem(**values)
 
 
 # What a claim hands out, in claimed_of's order.

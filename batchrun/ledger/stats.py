@@ -6,11 +6,23 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, func, select
 
-from batchrun.ledger.schema import FINAL_STATUSES, items
+from batchrun.ledger.schema import FINAL_STATUSES, STATUSES, items
 
 # An item whose answer its own request made (and paid for): not reused from an earlier job,
 # not copied from the line it repeats.
 OWN_ANSWER = and_(items.c.reused_job.is_(None), items.c.dup_of.is_(None))
+
+
+def counts(conn: Connection, name: str) -> dict[str, int]:
+    """The job's items by status, every status named."""
+    query = select(items.c.status, func.count()).where(items.c.job == name)
+    found = {status: int(n) for status, n in conn.execute(query.group_by(items.c.status))}
+    return {s: found.get(s, 0) for s in STATUSES}
+
+
+def attempts(conn: Connection, name: str) -> int:
+    total = conn.execute(select(func.sum(items.c.attempts)).where(items.c.job == name))
+    return int(total.scalar() or 0)
 
 
 def item_stats(conn: Connection, name: str) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from batchrun.ledger.records import (
     StoredItem,
 )
 from batchrun.ledger.rows import STORED_COLUMNS, as_json, job_of, recording, result_row, stored_of
-from batchrun.ledger.schema import STATUSES, items, jobs
+from batchrun.ledger.schema import items, jobs
 from batchrun.ledger.workers import Joining, Worker
 
 
@@ -369,30 +369,24 @@ class Ledger:
 
     def counts(self, name: str) -> dict[str, int]:
         with self._read("counting items") as conn:
-            rows = conn.execute(
-                select(items.c.status, func.count())
-                .where(items.c.job == name)
-                .group_by(items.c.status)
-            ).all()
-        found = {status: int(n) for status, n in rows}
-        return {s: found.get(s, 0) for s in STATUSES}
+            return stats.counts(conn, name)
 
     def attempts(self, name: str) -> int:
         """Requests recorded for the job's items, all runs together (0: it never ran)."""
         with self._read("counting attempts") as conn:
-            total = conn.execute(
-                select(func.sum(items.c.attempts)).where(items.c.job == name)
-            ).scalar()
-        return int(total or 0)
+            return stats.attempts(conn, name)
 
-    def iter_results(self, name: str, batch: int = 2000) -> Iterator[StoredItem]:
-        """Every item of the job in input order, streamed in pages (constant memory)."""
-        last = 0
+    def iter_results(
+        self, name: str, batch: int = 2000, *, models: bool = False
+    ) -> Iterator[StoredItem]:
+        """Every item of the job in input order, streamed in pages (constant memory); with
+        `models`, each with the model its line asked for, if any."""
+        last, columns = 0, [*STORED_COLUMNS, *([items.c.body] if models else [])]
         while True:
             with self._read("reading results") as conn:
                 rows = (
                     conn.execute(
-                        select(*STORED_COLUMNS)
+                        select(*columns)
                         .where(items.c.job == name, items.c.line > last)
                         .order_by(items.c.line)
                         .limit(batch)

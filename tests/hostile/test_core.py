@@ -217,6 +217,45 @@ def test_a_prompt_line_with_a_meta_field_named_body_is_not_refused(tmp_path: Pat
     assert [r.meta for r in results] == [{"body": rows[0]["body"]}, {"body": rows[1]["body"]}]
 
 
+def test_openai_export_names_the_model_a_line_asked_for_not_the_jobs(tmp_path: Path) -> None:
+    """A line's own `model` overrides the job's (README, Input), and the request goes to
+    that model. `export --format openai` writes the job's `--model` into every response
+    body, so a line answered by `big-model` is reported as answered by `small-model`: a
+    pipeline that splits results (or costs) by the OpenAI shape's `model` gets them wrong."""
+    import batchrun
+
+    path = tmp_path / "in.jsonl"
+    rows = [{"id": "a", "prompt": "hi", "model": "big-model"}, {"id": "b", "prompt": "hello"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    class Seen(httpx.AsyncBaseTransport):
+        def __init__(self) -> None:
+            self.sim = SimTransport(SimModel())
+            self.models: list[str] = []
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if request.method == "POST":
+                self.models.append(json.loads(request.content)["model"])
+            return await self.sim.handle_async_request(request)
+
+    home = Home.at(tmp_path, None)
+    ledger = Ledger(home.ledger_url)
+    spec = resolve({"backend": "sim", "model": "small-model", "server_metrics": "off"})
+    jobs.create_job(ledger, "in", path, spec)
+    seen = Seen()
+    anyio.run(lambda: jobs.run_job(ledger, home, "in", spec, transport=seen, handle_signals=False))
+    jobs.finish(ledger, home, "in", spec)
+    ledger.close()
+    assert sorted(seen.models) == ["big-model", "small-model"]  # line a went to big-model
+    out = batchrun.export("in", fmt="openai", home=tmp_path)
+    by_id = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert by_id["b"]["response"]["body"]["model"] == "small-model"
+    assert by_id["a"]["response"]["body"]["model"] == "big-model", (
+        "line a was answered by big-model, exported as "
+        + repr(by_id["a"]["response"]["body"]["model"])
+    )
+
+
 # --- gc ----------------------------------------------------------------------------------------
 
 
