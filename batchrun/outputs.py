@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,7 +184,8 @@ def write_results(
         raise OutputError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     record = FORMATS[fmt].record
     folder = path.parent
-    tmp = folder / f".{path.name}.tmp-{os.getpid()}"
+    # one temp file per writer: two threads of one process may write one job's file at once
+    tmp = folder / f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}"
     count = 0
     try:
         folder.mkdir(parents=True, exist_ok=True)

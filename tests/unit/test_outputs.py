@@ -409,3 +409,38 @@ def test_unknown_format_does_not_consume_rows(tmp_path: Path) -> None:
     with pytest.raises(OutputError):
         write_results(tmp_path / "job.jsonl", rows(), fmt="OpenAI")
     assert consumed == []
+
+
+def test_two_writers_of_one_results_file_in_one_process_each_write_it_whole(
+    tmp_path: Path,
+) -> None:
+    """Two threads of one process (two API workers finishing one job together, or two
+    exports) write the same results file at once. Their temp files were one name
+    (`.{name}.tmp-{pid}`): each truncated the other's, and the second rename found nothing
+    (an OutputError) or moved a mixed file into place."""
+    import threading
+
+    path = tmp_path / "out.jsonl"
+    both = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def rows() -> Iterator[StoredItem]:
+        for line in range(1, 201):
+            if line == 100:
+                both.wait(timeout=10)  # the two writers are half way, at once
+            yield make_row(item_id=f"a{line}", line=line)
+
+    def write() -> None:
+        try:
+            write_results(path, rows())
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert [r["line"] for r in read_jsonl(path)] == list(range(1, 201))
+    assert folder_names(tmp_path) == ["out.jsonl"]  # no temp file left behind
