@@ -45,6 +45,8 @@ CSV_FIELDS = [
     "errors",
     "client_bound",
     "warnings",
+    "tokens_from_chunks",  # the server sent no usage: tokens counted by streamed chunks
+    "tokens_unknown",  # nor chunks: output tokens/s left empty
 ]
 
 
@@ -62,6 +64,8 @@ def csv_row(cell: dict[str, Any]) -> dict[str, Any]:
             "output_throughput",
             "schema_valid_rate",
             "client_bound",
+            "tokens_from_chunks",
+            "tokens_unknown",
         )
     }
     for metric in ("ttft", "tpot", "itl", "e2e"):

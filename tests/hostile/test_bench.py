@@ -304,6 +304,9 @@ def test_answers_without_token_counts_are_not_shown_as_zero_tokens_per_second(
     row = report.table([{**cell, "endpoint": "gpu", "class": "short", "concurrency": 1}])[1]
     out_tok_s, note = row[4], row[-1]
     assert out_tok_s != "0" or "token" in note, f"shown as measured: {row}"
+    # and summary.csv, read alone, says so too
+    csv_row = report.csv_row({**cell, "endpoint": "gpu", "class": "short", "concurrency": 1})
+    assert csv_row["tokens_unknown"] is True and csv_row["output_throughput"] is None
 
 
 def test_e2e_counts_from_sending_to_the_last_byte_when_the_client_asks_twice(
