@@ -131,7 +131,7 @@ def _token_like(text: str) -> bool:
 def url_problem(url: str) -> str | None:
     """Why `url` is not an http(s) URL a request can be sent to, or None. Never echoes the URL
     (it may hold a `user:password@`)."""
-    if not url.startswith(("http://", "https://")):
+    if url.partition("://")[0].lower() not in ("http", "https"):  # a scheme is any case
         return "must be an http:// or https:// URL"
     if not url.isprintable() or any(ch.isspace() for ch in url):
         return "has a space or a control character in it"

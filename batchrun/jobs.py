@@ -3,6 +3,7 @@ the Python API in api.py composes; backends are made in backends/build.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import time
@@ -344,16 +345,21 @@ async def _batches_first(
         joining = Joining(reuse.joined(spec), reuse.SAME, spec.lease, worker)
         reuse_run = partial(reuse.prepare, ledger, name, spec, log, joining)
         waiting, reused = await anyio.to_thread.run_sync(reuse_run)
-        stats = await batch_mode.run_batches(
-            ledger,
-            name,
-            spec,
-            log=log,
-            rules=output_rules(spec),
-            transport=transport,
-            handle_signals=handle_signals,
-            worker=worker,
-        )
+        try:
+            stats = await batch_mode.run_batches(
+                ledger,
+                name,
+                spec,
+                log=log,
+                rules=output_rules(spec),
+                transport=transport,
+                handle_signals=handle_signals,
+                worker=worker,
+            )
+        except BaseException:  # one that never started (a bad key) leaves as it came
+            with contextlib.suppress(LedgerError):
+                ledger.release(name, worker)
+            raise
         stats.reused, stats.duplicates = reused, waiting
         return stats
     finally:

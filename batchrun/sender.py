@@ -216,6 +216,14 @@ class Sender:
                 if isinstance(exc, _Stopped):
                     raise
                 return None
+            except anyio.get_cancelled_exc_class():
+                # The stop's drain ran out (or a second Ctrl-C) with a follow-up on the wire:
+                # the answer already paid for is handed back all the same (no await before
+                # the worker passes it to the writer; the next one re-raises the cancel).
+                kept = plan.give_up("the run was stopped before the follow-up's answer came")
+                if kept is None or plan.last is None:
+                    raise
+                return self._result(item, attempts, plan.last, kept, plan, lane)
             except RequestError as exc:
                 if isinstance(exc, BadRequest) and guided and not plan.unguided:
                     # maybe the schema, not the prompt: try once without it (another item

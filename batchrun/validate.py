@@ -9,6 +9,7 @@ accepted as valid, even if a prefix happens to parse.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,19 +69,40 @@ def _unresolved(schema: dict[str, Any]) -> str | None:
     return None
 
 
-def _local_refs(node: Any, refs: list[str], *, top: bool = False) -> bool:
-    """Collect the refs into this document ('#...') under `node`; True if a nested `$id`
-    makes them relative to another document (then none is judged here)."""
-    if isinstance(node, list):
-        return any(_local_refs(value, refs) for value in node)
-    if not isinstance(node, dict):
+# The keywords whose values are schemas (a ref in them is resolved), by how they hold them;
+# `const`, `enum`, `examples`, `default` and unknown keywords hold data, never looked into.
+_ONE = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "items",
+    "contains",
+    "additionalProperties",
+    "propertyNames",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "additionalItems",
+)
+_LIST = ("allOf", "anyOf", "oneOf", "prefixItems")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _local_refs(schema: Any, refs: list[str], *, top: bool = False) -> bool:
+    """Collect the refs into this document ('#...') in `schema` and its subschemas; True if a
+    nested `$id` makes them relative to another document (then none is judged here)."""
+    if not isinstance(schema, dict):
         return False
-    if "$id" in node and not top:
+    if not top and isinstance(schema.get("$id"), str):
         return True
-    ref = node.get("$ref")
+    ref = schema.get("$ref")
     if isinstance(ref, str) and ref.startswith("#"):
         refs.append(ref)
-    return any(_local_refs(value, refs) for value in node.values())
+    subs = [schema.get(key) for key in _ONE]
+    subs += [sub for key in _LIST if isinstance(schema.get(key), list) for sub in schema[key]]
+    named = (schema.get(key) for key in _NAMED)
+    subs += [sub for group in named if isinstance(group, dict) for sub in group.values()]
+    return any(_local_refs(sub, refs) for sub in subs)
 
 
 def response_format(style: str, schema: dict[str, Any]) -> dict[str, Any]:
@@ -151,9 +173,8 @@ def extract_json(text: str) -> Any:
                 value, _end = _DECODER.raw_decode(text, start)
             except RecursionError:
                 raise ValueError("the output's JSON is nested too deeply to read") from None
-            except _Refused as exc:
-                refused.append(str(exc))
-                continue
+            except _Refused as exc:  # not a value inside it either: it is not what it says
+                raise ValueError(str(exc)) from None
             except ValueError:
                 continue
             return value
@@ -181,8 +202,15 @@ def _not_json(constant: str) -> Any:
     raise _Refused(f"{constant} is not JSON")
 
 
+def _finite(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):  # 1e400: Infinity by another name
+        raise _Refused(f"a number too large for a float: {literal[:30]}")
+    return value
+
+
 _LONG_NUMBER = re.compile(r"\d{19}")
-_DECODER = json.JSONDecoder(parse_int=_exact_int, parse_constant=_not_json)
+_DECODER = json.JSONDecoder(parse_int=_exact_int, parse_constant=_not_json, parse_float=_finite)
 
 
 class SchemaCheck:

@@ -107,10 +107,11 @@ async def _measure(
         def done(cell: Cell) -> None:
             summary = summarize(cell.records, cell.wall_s)
             cells.append((cell, summary))
+            tps = summary["output_throughput"]
             say(
                 f"  {cell.endpoint} / {cell.cls} @ {cell.concurrency}: "
                 f"{summary['succeeded']}/{summary['requests']} ok, "
-                f"{summary['output_throughput'] or 0:,.0f} out tok/s"
+                + (f"{tps:,.0f} out tok/s" if tps is not None else "out tok/s unknown")
             )
 
         say(f"benchmarking {endpoint.name} ({shown}, model {model}) ...")
