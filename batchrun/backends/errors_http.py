@@ -69,9 +69,11 @@ def retry_after(headers: Mapping[str, str], now: float | None = None) -> float |
     ms = headers.get("retry-after-ms")
     if ms:
         try:
-            return _within(float(ms) / 1000, MAX_RETRY_AFTER)
+            waited = _within(float(ms) / 1000, MAX_RETRY_AFTER)
         except ValueError:
-            pass
+            waited = None
+        if waited is not None:  # else `retry-after` may still say
+            return waited
     value = headers.get("retry-after")
     if not value:
         return None

@@ -267,3 +267,12 @@ def test_an_outage_answered_with_a_long_retry_after_stops_near_the_outage_timeou
 
     anyio.run(main)
     assert now[0] <= 2.0 + 30.0, f"stopped after {now[0]:g} s of an outage timeout of 2 s"
+
+
+def test_an_unreadable_retry_after_ms_leaves_the_retry_after_beside_it() -> None:
+    """`retry-after-ms: inf` beside `retry-after: 5` (a review of the cap's fix): the
+    unreadable one was taken for "none", and the 5 s the server also said was ignored."""
+    from batchrun.backends.errors_http import retry_after
+
+    assert retry_after({"retry-after-ms": "inf", "retry-after": "5"}) == 5.0
+    assert retry_after({"retry-after-ms": "250", "retry-after": "5"}) == 0.25
