@@ -106,6 +106,34 @@ def streamed(
     return 200, SSE, events
 
 
+class Played(httpx.AsyncByteStream):
+    """A response body played from `events` (a delay, then bytes): with `slots`, only while it
+    holds one of them; `after` is called when it ends."""
+
+    def __init__(
+        self,
+        events: Events,
+        *,
+        slots: anyio.Semaphore | None = None,
+        after: Callable[[], None] | None = None,
+    ) -> None:
+        self.events, self.slots, self.after = events, slots, after
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        if self.slots is not None:
+            await self.slots.acquire()
+        try:
+            for delay, data in self.events:
+                if delay:
+                    await anyio.sleep(delay)
+                yield data
+        finally:
+            if self.slots is not None:
+                self.slots.release()
+            if self.after is not None:
+                self.after()
+
+
 class Scripted(httpx.AsyncBaseTransport):
     """An OpenAI-compatible server played from a script, in process. With `slots`, at most that
     many answers are produced at once and the rest wait (a server with that many batch slots).
@@ -123,25 +151,7 @@ class Scripted(httpx.AsyncBaseTransport):
             return httpx.Response(200, json={"object": "list", "data": [{"id": "m"}]})
         body = orjson.loads(await request.aread())
         status, headers, events = self.script(body, request.url.host)
-        slots = self.slots
-
-        async def play() -> AsyncIterator[bytes]:
-            if slots is not None:
-                await slots.acquire()
-            try:
-                for delay, data in events:
-                    if delay:
-                        await anyio.sleep(delay)
-                    yield data
-            finally:
-                if slots is not None:
-                    slots.release()
-
-        class Body(httpx.AsyncByteStream):
-            def __aiter__(self) -> AsyncIterator[bytes]:
-                return play()
-
-        return httpx.Response(status, headers=headers, stream=Body())
+        return httpx.Response(status, headers=headers, stream=Played(events, slots=self.slots))
 
 
 SHORT = BenchClass("short", 64, ("In one sentence: what is a kettle for?",))
@@ -360,23 +370,13 @@ class EmptyPastFour(httpx.AsyncBaseTransport):
             events = streamed(0.1, 0.01, 11)[2]
             counted = True
             self.busy += 1
-        server = self
+        return httpx.Response(200, headers=SSE, stream=Played(events, after=self._ended(counted)))
 
-        async def play() -> AsyncIterator[bytes]:
-            try:
-                for delay, data in events:
-                    if delay:
-                        await anyio.sleep(delay)
-                    yield data
-            finally:
-                if counted:
-                    server.busy -= 1
+    def _ended(self, counted: bool) -> Callable[[], None]:
+        def ended() -> None:
+            self.busy -= counted
 
-        class Body(httpx.AsyncByteStream):
-            def __aiter__(self) -> AsyncIterator[bytes]:
-                return play()
-
-        return httpx.Response(200, headers=SSE, stream=Body())
+        return ended
 
 
 def test_empty_answers_shed_under_load_are_not_counted_as_served_requests(

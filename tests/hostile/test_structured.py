@@ -75,7 +75,13 @@ async def run_answering(
 @pytest.mark.anyio
 @pytest.mark.parametrize(
     "text",
-    ['{"price": NaN}', 'The price: {"price": NaN}', 'Here you go: {"price": Infinity}'],
+    [
+        '{"price": NaN}',
+        'The price: {"price": NaN}',
+        'Here you go: {"price": Infinity}',
+        '{"price": 1e400}',  # Infinity by another name (from the review of the fix)
+        'Total: {"price": -1E999}',
+    ],
 )
 async def test_nan_or_infinity_is_not_json_and_never_makes_a_done_item(
     tmp_path: Path, text: str
