@@ -17,6 +17,7 @@ from batchrun.errors import UsageError
 from batchrun.sim import SimConfig, SimModel, SimServer
 from batchrun.sim.faults import FAULT_KINDS, check_rates
 from batchrun.sim.json_answers import JSON_STYLES
+from batchrun.sim.settings import config_problem
 
 
 @click.command()
@@ -193,6 +194,8 @@ def sim(
         batch_window_s=batch_window_s,
         batch_max_requests=batch_max_requests,
     )
+    if (problem := config_problem(config)) is not None:
+        raise UsageError(f"batchrun sim: {problem.replace('_', '-')}")  # named as its flag
     server = SimServer(SimModel(config))
 
     def ready(bound: int) -> None:

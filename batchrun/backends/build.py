@@ -16,6 +16,7 @@ from batchrun.server_metrics import metrics_url
 from batchrun.sim import SimConfig, SimModel, SimTransport
 from batchrun.sim.faults import FAULT_KINDS, check_rates
 from batchrun.sim.json_answers import JSON_STYLES
+from batchrun.sim.settings import OPTIONAL_KINDS, config_problem
 
 SIM_DEFAULTS: dict[str, Any] = {"ttft_ms": 20.0, "tpot_ms": 1.0}
 
@@ -74,10 +75,14 @@ def sim_config(spec: RunSpec) -> SimConfig:
     for key, value in {**SIM_DEFAULTS, **spec.sim_options}.items():
         if key not in defaults:
             raise UsageError(f"sim_options: unknown option {key!r} (known: {', '.join(defaults)})")
-        options[key] = checked(f"sim_options: {key}", value, type(defaults[key]).__name__)
+        kind = OPTIONAL_KINDS.get(key) or type(defaults[key]).__name__
+        options[key] = checked(f"sim_options: {key}", value, kind)
     for key, known in (("faults", FAULT_KINDS), ("json_styles", JSON_STYLES)):
         try:
             check_rates(options.get(key, {}), known, key.rstrip("s").replace("_", " "))
         except ValueError as exc:
             raise UsageError(f"sim_options.{key}: {exc}") from None
-    return SimConfig(**options)
+    config = SimConfig(**options)
+    if (problem := config_problem(config)) is not None:
+        raise UsageError(f"sim_options: {problem}")
+    return config

@@ -63,6 +63,13 @@ class FaultPlan:
         return None
 
 
+    def unpick(self, tag: str, kind: str) -> None:
+        """The fault drawn was never played (the request was refused first): not counted,
+        and its draw is the next request's, as if this one had not come."""
+        self._asked[tag] -= 1
+        self.injected -= Counter({kind: 1})  # (a count of 0 is dropped)
+
+
 def status_fault(kind: str, retry_after_ms: float) -> tuple[int, dict[str, str], bytes]:
     """Status, headers and body of an HTTP-status fault."""
     status = STATUS_FAULTS[kind]

@@ -188,6 +188,16 @@ class SimModel:
         }
 
     def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Reply:
+        """The answer to one request. One the simulator cannot read (`{"messages": 5}`, a
+        schema with an empty `enum`, a query that is not a number) gets a 400 of its own: it
+        never ends the server, which would refuse every request after it."""
+        try:
+            return self._handle(method, path, headers, body)
+        except Exception as exc:
+            said = f"the simulator cannot read this request: {type(exc).__name__}: {exc}"
+            return _error(400, said[:300], "invalid_request_error")
+
+    def _handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Reply:
         target, path = path, path.split("?", 1)[0].rstrip("/")
         if self.config.api_key is not None:
             key = self.config.api_key
@@ -249,8 +259,10 @@ class SimModel:
         if fault in ("reset", "hang"):
             return Reply(0, fault=fault)
         reply = self._answer(endpoint, request, text, tag)
-        if reply.status != 200:
-            return reply  # refused by the capacity gate or a rate limit
+        if reply.status != 200:  # refused by the capacity gate or a rate limit
+            if fault is not None:
+                self.faults.unpick(tag, fault)
+            return reply
         if fault == "cut":
             return _cut(reply)
         answer_id = int(tag[5:-1], 16)  # 48 bits of the prompt's digest: compact for big runs
