@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from batchrun.backends import Backend, Completion, CompletionRequest, Transport
-from batchrun.backends.build import build_backend, metrics_reader
+from batchrun.backends.build import build_backend, metrics_reader, sim_transport
 from batchrun.config import RunSpec, preset_for
 from batchrun.endpoints import shown_endpoint
 from batchrun.errors import (
@@ -56,17 +56,12 @@ async def diagnose(spec: RunSpec, transport: Transport | None = None) -> list[Ch
         if models is None:
             return checks
         model = spec.model or (models[0] if models else None)
-        if spec.model and models and spec.model not in models:
-            checks.append(
-                Check(
-                    "model",
-                    False,
-                    f"{spec.model!r} is not among the listed models: {', '.join(models[:10])}",
-                    essential=True,
-                )
-            )
-            return checks
         detail = model or "the server lists no models; give --model"
+        if spec.model and models and spec.model not in models:
+            # not listed, yet many servers answer any name (llama-server, an alias): the chat
+            # probe judges; a 404 to it fails there
+            listed = ", ".join(models[:10])
+            detail = f"{spec.model!r} (not listed: {listed}; the chat probe decides)"
         checks.append(Check("model", model is not None, detail, essential=True))
         defaults = {"model": model, "max_tokens": 16} if model else {"max_tokens": 16}
         await _chat(backend, spec, defaults, transport, checks)
@@ -81,7 +76,7 @@ async def diagnose(spec: RunSpec, transport: Transport | None = None) -> list[Ch
 async def _server_load(spec: RunSpec, transport: Transport | None, checks: list[Check]) -> None:
     """Whether `auto` will have the server's own counts (not needed: it reads first tokens and
     throughput without them, so a server without is not a failure)."""
-    reader = metrics_reader(spec, transport)
+    reader = metrics_reader(spec, transport or sim_transport(spec))  # as a job reads it
     if reader is None:
         return  # a fixed --concurrency, or --server-metrics off
     try:
@@ -158,8 +153,8 @@ async def _chat(
     )
     checks.append(_usage_check("usage (not streamed)", answer))
     streamed = await _send(backend, "chat", {**defaults, "messages": MESSAGES})
-    if isinstance(streamed, str):
-        checks.append(Check("streaming", False, streamed))
+    if isinstance(streamed, str):  # a job streams unless --no-stream: then it needs this
+        checks.append(Check("streaming", False, f"{streamed} (or run --no-stream)", spec.stream))
         return
     ttft = "-" if streamed.ttft_s is None else f"{streamed.ttft_s * 1000:.0f} ms"
     note = "" if backend.stream_options else "; refuses stream_options"

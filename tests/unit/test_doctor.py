@@ -75,5 +75,7 @@ async def test_a_wrong_key_and_an_unknown_model_are_not_ready(
         resolve({"base_url": "http://sim.test/v1", "model": "nope"}),
         SimTransport(SimModel(SimConfig(strict_models=True))),
     )
-    model = next(c for c in found if c.name == "model")
-    assert model.ok is False and "sim-1" in model.detail and not ready(found)
+    model = next(c for c in found if c.name == "model")  # not listed: the chat probe decides
+    assert "not listed" in model.detail and "sim-1" in model.detail
+    chat = next(c for c in found if c.name == "chat")
+    assert chat.ok is False and "404" in chat.detail and not ready(found)
