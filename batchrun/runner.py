@@ -389,18 +389,18 @@ class Runner:
     async def _commit(self, group: list[ItemResult]) -> None:
         if not group:
             return
-        changed = await self._db(
+        finished = await self._db(  # the group's, and the repeated lines that waited for it
             self.ledger.record, self.job, self.owner, group, answer_spec=self.answer_spec
         )
         self.feeder.held.difference_update(result.line for result in group)
         self._committed += len(group)
-        self.stats.recorded += changed
+        self.stats.recorded += finished
         for result in group:
             self.stats.by_status[result.status] = self.stats.by_status.get(result.status, 0) + 1
         self.log.flush()
         if self.progress is not None:
             self.progress.update(
-                newly_done=len(group),
+                newly_done=max(len(group), finished),
                 tokens=self.stats.output_tokens,
                 retries=self.stats.retries,
                 failed=self.stats.by_status.get("failed", 0)

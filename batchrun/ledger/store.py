@@ -262,9 +262,10 @@ class Ledger:
         chunk: int | None = None,
     ) -> int:
         """Commit a group of results in one transaction, made under `answer_spec` (see
-        reuse.py); lines waiting for the same request get them too. Returns how many of the
-        group's rows changed. The guard (still running, still ours; or with `chunk`, still in
-        that hosted batch) makes a late or duplicate result a no-op."""
+        reuse.py); lines waiting for the same request get them too. Returns how many items it
+        finished: the group's rows that changed, and the lines that waited for them. The guard
+        (still running, still ours; or with `chunk`, still in that hosted batch) makes a late
+        or duplicate result a no-op."""
         if not results:
             return 0
         now = time.time()
@@ -272,8 +273,7 @@ class Ledger:
         rows = [result_row(head, r, answer_spec) for r in results]
         with self._write("recording results") as conn:
             changed = int(self._recording(conn, chunk is not None).run(conn, rows).rowcount)
-            reuse.fan_out(conn, name, results, now)
-            return changed
+            return changed + reuse.fan_out(conn, name, results, now)
 
     def _recording(self, conn: Connection, batched: bool) -> Many:
         """record's statement, compiled once for this ledger's database."""
