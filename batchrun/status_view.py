@@ -9,7 +9,10 @@ from batchrun.ledger import STATUSES, Job, Ledger, Worker, left
 from batchrun.run_state import LEASE_TTL
 
 
-def _state(counts: dict[str, int], attempts: int, live: list[Worker], job: Job) -> str:
+def _state(counts: dict[str, int], attempts: int, seen: list[Worker], now: float, job: Job) -> str:
+    """`seen`: every worker that joined it (a run that sent requests and was stopped, or
+    aborted, has one even where no item kept an attempt: it is "stopped", not "not started")."""
+    live = [w for w in seen if w.alive(now, _lease(job))]
     kept = sum(counts.values())
     if job.collected(kept):
         return f"collected by gc ({kept:,} answers kept for reuse)"
@@ -20,7 +23,7 @@ def _state(counts: dict[str, int], attempts: int, live: list[Worker], job: Job) 
     if counts.get("batched"):
         return f"at the batch provider ({counts['batched']} items; `resume` collects them)"
     if left(counts):
-        return "stopped" if attempts else "not started"  # no request recorded for any item
+        return "stopped" if attempts or seen else "not started"  # nothing ever ran it
     bad = counts["failed"] + counts["invalid"] + counts["rejected"]
     return "complete" if not bad else "complete with failures"
 
@@ -29,7 +32,8 @@ def jobs_table(ledger: Ledger) -> list[dict[str, Any]]:
     rows = []
     for job in ledger.list_jobs():
         counts = ledger.counts(job.name)
-        state = _state(counts, ledger.attempts(job.name), _live(ledger, job), job)
+        seen, now = ledger.workers(job.name), ledger.now()
+        state = _state(counts, ledger.attempts(job.name), seen, now, job)
         rows.append({"job": job.name, "state": state, "total": job.total, **counts})
     return rows
 
@@ -42,7 +46,7 @@ def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
     workers = ledger.workers(job.name)
     return {
         "job": job.name,
-        "state": _state(counts, stats["attempts"], _live(ledger, job), job),
+        "state": _state(counts, stats["attempts"], workers, now, job),
         "input": job.input_path,
         "input_digest": job.input_digest,
         "total": job.total,
@@ -96,12 +100,6 @@ def _endpoints(
         shown.setdefault(name, {"name": name, "state": "-", "errors": 0, "limit": 0, "per_s": 0.0})
         shown[name]["items"] = counts
     return [{"items": {}, **e} for e in shown.values()]
-
-
-def _live(ledger: Ledger, job: Job) -> list[Worker]:
-    now = ledger.now()
-    lease = _lease(job)
-    return [w for w in ledger.workers(job.name) if w.alive(now, lease)]
 
 
 def _lease(job: Job) -> float:

@@ -62,7 +62,6 @@ class FaultPlan:
                 return kind
         return None
 
-
     def unpick(self, tag: str, kind: str) -> None:
         """The fault drawn was never played (the request was refused first): not counted,
         and its draw is the next request's, as if this one had not come."""
