@@ -219,9 +219,12 @@ class Sender:
             except anyio.get_cancelled_exc_class():
                 # The stop's drain ran out (or a second Ctrl-C) with a follow-up on the wire:
                 # the answer already paid for is handed back all the same (no await before
-                # the worker passes it to the writer; the next one re-raises the cancel).
+                # the worker passes it to the writer; the next one re-raises the cancel). A
+                # cancel for any other reason (an error that ends the run) goes on as it came.
+                if not self.stopping.is_set() or plan.last is None:
+                    raise
                 kept = plan.give_up("the run was stopped before the follow-up's answer came")
-                if kept is None or plan.last is None:
+                if kept is None:
                     raise
                 return self._result(item, attempts, plan.last, kept, plan, lane)
             except RequestError as exc:
