@@ -203,8 +203,15 @@ async def _guided(
 
 
 def render(checks: list[Check]) -> str:
+    """One line a check: a line break in what a server said (a model's name, an error) is
+    written as `\\n`, so a server cannot forge a line of its own ("ok  chat ...")."""
     marks = {True: "ok  ", False: "FAIL", None: "-   "}
-    return "\n".join(f"{marks[c.ok]}  {c.name:<22} {c.detail}" for c in checks)
+    lines = (f"{marks[c.ok]}  {c.name:<22} {_one_line(c.detail)}" for c in checks)
+    return "\n".join(lines)
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def ready(checks: list[Check]) -> bool:

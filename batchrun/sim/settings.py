@@ -47,4 +47,11 @@ def config_problem(config: SimConfig) -> str | None:
         )
     if not config.models:
         return "models must name at least one model"
+    idle = [name for name, unset in _NEED_SLOTS.items() if getattr(config, name) != unset]
+    if config.slots is None and idle:  # accepted, and then nothing would happen
+        return f"{', '.join(idle)} without slots does nothing: give slots too"
     return None
+
+
+# Capacity settings that only a batch of `slots` gives meaning to, with their value when unset.
+_NEED_SLOTS = {"queue_limit": None, "tpot_slope": 0.0, "gate_status": 429}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batchrun.config import resolve
-from batchrun.doctor import diagnose, ready, render
+from batchrun.doctor import Check, diagnose, ready, render
 from batchrun.sim import SimConfig, SimModel, SimTransport
 
 
@@ -79,3 +79,14 @@ async def test_a_wrong_key_and_an_unknown_model_are_not_ready(
     assert "not listed" in model.detail and "sim-1" in model.detail
     chat = next(c for c in found if c.name == "chat")
     assert chat.ok is False and "404" in chat.detail and not ready(found)
+
+
+def test_a_line_break_in_what_a_server_says_cannot_forge_a_check() -> None:
+    """A model id (or an error) with a line break: printed as it came, it showed a line of
+    the server's own making, "ok  chat ...", among doctor's (the tools review's suspicion)."""
+    forged = Check("model", False, "m\nok    chat                   fine", essential=True)
+    shown = render([forged, Check("reachable", True, "http://x/v1")])
+    assert shown.splitlines() == [
+        "FAIL  model                  m\\nok    chat                   fine",
+        "ok    reachable              http://x/v1",
+    ]

@@ -365,3 +365,16 @@ def test_metrics_without_slots_have_no_kv_usage_and_can_be_off() -> None:
     assert "vllm:num_requests_waiting" in text and "kv_cache" not in text
     off = SimModel(SimConfig(metrics=False)).handle("GET", "/metrics", {}, b"")
     assert off.status == 404 and json_of(off)["error"]["type"] == "not_found_error"
+
+
+def test_capacity_settings_without_slots_are_refused_not_ignored() -> None:
+    """--queue-limit, --tpot-slope and --gate-status model a batch of slots: without --slots
+    they were accepted and did nothing (the tools review's suspicion)."""
+    from batchrun.sim.settings import config_problem
+
+    assert config_problem(SimConfig(queue_limit=4)) == (
+        "queue_limit without slots does nothing: give slots too"
+    )
+    assert "tpot_slope" in (config_problem(SimConfig(tpot_slope=0.5)) or "")
+    assert config_problem(SimConfig(slots=8, queue_limit=4, tpot_slope=0.5)) is None
+    assert config_problem(SimConfig()) is None
