@@ -5,6 +5,7 @@ incomplete, or breaks something that worked. Each test fails on the code as revi
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 import batchrun
 from batchrun.errors import UsageError
 from tests.hostile.test_bench import virtual  # noqa: F401  (the virtual-time fixture)
-from tests.hostile.test_structured import PRICE, run_answering, schema_file
+from tests.hostile.test_structured import run_answering, schema_file
 
 # --- 1. strict JSON: a refused value is "never changed", yet an inner one is taken instead ----
 
@@ -161,61 +162,29 @@ async def test_a_repair_cut_by_the_stop_keeps_the_answer_already_paid_for(tmp_pa
     # cancellation of one in flight goes straight through Sender.process, nothing is
     # recorded, and the item goes back to pending with its paid answer dropped: `resume`
     # pays for the original request again (and for its repair).
-    import dataclasses
-
     import anyio
     import httpx
 
-    from batchrun import jobs
-    from batchrun.backends.openai_compat import OpenAICompatBackend
-    from batchrun.config import resolve
-    from batchrun.jobs import Home
-    from batchrun.lanes import Route
-    from batchrun.ledger import Ledger
-    from batchrun.progress import JobLog
-    from batchrun.run_state import RunnerSettings
-    from batchrun.runner import Runner
-    from tests.hostile.test_structured import body
-    from tests.unit.test_runner import rows, write_prompts
+    from tests.hostile.test_structured import body, run_stopped_at_a_repair
 
-    home = Home.at(tmp_path, None)
-    ledger = Ledger(home.ledger_url)
-    write_prompts(tmp_path / "in.jsonl", 1)
-    spec = resolve({"backend": "sim", "concurrency": 1, "guided": False})
-    spec = dataclasses.replace(spec, model="sim-1", schema=schema_file(tmp_path, PRICE))
-    jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
-    runner_box: list[Runner] = []
     originals = 0
 
-    class SlowRepair(httpx.AsyncBaseTransport):
-        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-            nonlocal originals
-            if len(json.loads(request.content)["messages"]) == 1:
-                originals += 1
-                return httpx.Response(200, json=body("Sorry, I cannot tell the price."))
-            runner_box[0].request_stop()  # Ctrl-C while the repair is being answered
-            await anyio.sleep(3600)  # a long repair: cut at the drain timeout
-            return httpx.Response(200, json=body('{"price": 2}'))
+    def slow_repair(stop: Callable[[], None]) -> httpx.AsyncBaseTransport:
+        class SlowRepair(httpx.AsyncBaseTransport):
+            async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+                nonlocal originals
+                if len(json.loads(request.content)["messages"]) == 1:
+                    originals += 1
+                    return httpx.Response(200, json=body("Sorry, I cannot tell the price."))
+                stop()  # Ctrl-C while the repair is being answered
+                await anyio.sleep(3600)  # a long repair: cut at the drain timeout
+                return httpx.Response(200, json=body('{"price": 2}'))
 
-    backend = OpenAICompatBackend(spec.base_url, transport=SlowRepair())
-    log = JobLog(home.log_path("j"), "j")
-    rules = jobs.output_rules(spec)
-    runner = Runner(
-        ledger,
-        [Route("sim", spec, backend)],
-        "j",
-        spec,
-        log=log,
-        rules=rules,
-        settings=RunnerSettings(drain_timeout=0.05),
-    )
-    runner_box.append(runner)
+        return SlowRepair()
+
     with anyio.fail_after(30):
-        stats = await runner.run()
-    log.close()
-    await backend.aclose()
+        stats, result = await run_stopped_at_a_repair(tmp_path, slow_repair, drain_timeout=0.05)
     assert stats.interrupted and originals == 1
-    (result,) = rows(ledger)
     assert result["status"] != "pending" and result["output"], (
         f"the paid answer was dropped: status {result['status']}, output {result['output']!r}; "
         "resume sends the original request again"

@@ -356,14 +356,12 @@ async def test_the_simulator_answers_a_guided_request_with_json_valid_for_its_sc
     assert [r["status"] for r in result] == ["done"] * 3, [r["error"] for r in result]
 
 
-@pytest.mark.anyio
-async def test_a_stop_before_a_repair_is_sent_keeps_the_answer_already_paid_for(
-    tmp_path: Path,
-) -> None:
-    # Ctrl-C while an item's repair waited to be sent (here, to retry a 503): the request that
-    # had waited past the stop is not sent, and the item went back to pending with its answer
-    # (paid for) dropped: `resume` paid for the original request again. The answer stands now,
-    # judged as it is, and its repair (never sent) is not counted.
+async def run_stopped_at_a_repair(
+    tmp_path: Path, transport: Callable[[Callable[[], None]], Any], drain_timeout: float
+) -> tuple[Any, dict[str, Any]]:
+    """One line with a schema, run by a Runner whose transport (made by `transport`, given
+    the run's stop: Ctrl-C) answers the first request with prose, so a repair follows; the
+    run's stats and the line's stored row."""
     import dataclasses
 
     from batchrun import jobs
@@ -384,29 +382,47 @@ async def test_a_stop_before_a_repair_is_sent_keeps_the_answer_already_paid_for(
     spec = resolve({**options, "schema": schema_file(tmp_path, PRICE)})
     spec = dataclasses.replace(spec, model="sim-1")
     jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
-    runner_box: list[Runner] = []
-    originals = 0
-
-    def handler(request: httpx.Request, _call: int) -> httpx.Response:
-        nonlocal originals
-        if len(json.loads(request.content)["messages"]) == 1:
-            originals += 1
-            return httpx.Response(200, json=body("Sorry, I cannot tell the price."))
-        runner_box[0].request_stop()  # Ctrl-C while the repair waits to be sent again
-        return httpx.Response(503, headers={"retry-after": "5"}, json={"error": "busy"})
-
-    backend = OpenAICompatBackend(spec.base_url, transport=ScriptedTransport(handler))
+    runners: list[Runner] = []
+    backend = OpenAICompatBackend(
+        spec.base_url, transport=transport(lambda: runners[0].request_stop())
+    )
     log = JobLog(home.log_path("j"), "j")
-    settings = RunnerSettings(drain_timeout=30.0)
+    settings = RunnerSettings(drain_timeout=drain_timeout)
     rules = jobs.output_rules(spec)
     route = Route("sim", spec, backend)
-    runner = Runner(ledger, [route], "j", spec, log=log, rules=rules, settings=settings)
-    runner_box.append(runner)
-    stats = await runner.run()
-    log.close()
-    await backend.aclose()
-    assert stats.interrupted and originals == 1
+    runners.append(Runner(ledger, [route], "j", spec, log=log, rules=rules, settings=settings))
+    try:
+        stats = await runners[0].run()
+    finally:
+        log.close()
+        await backend.aclose()
     (result,) = rows(ledger)
+    return stats, result
+
+
+@pytest.mark.anyio
+async def test_a_stop_before_a_repair_is_sent_keeps_the_answer_already_paid_for(
+    tmp_path: Path,
+) -> None:
+    # Ctrl-C while an item's repair waited to be sent (here, to retry a 503): the request that
+    # had waited past the stop is not sent, and the item went back to pending with its answer
+    # (paid for) dropped: `resume` paid for the original request again. The answer stands now,
+    # judged as it is, and its repair (never sent) is not counted.
+    originals = 0
+
+    def stopping(stop: Callable[[], None]) -> ScriptedTransport:
+        def handler(request: httpx.Request, _call: int) -> httpx.Response:
+            nonlocal originals
+            if len(json.loads(request.content)["messages"]) == 1:
+                originals += 1
+                return httpx.Response(200, json=body("Sorry, I cannot tell the price."))
+            stop()  # Ctrl-C while the repair waits to be sent again
+            return httpx.Response(503, headers={"retry-after": "5"}, json={"error": "busy"})
+
+        return ScriptedTransport(handler)
+
+    stats, result = await run_stopped_at_a_repair(tmp_path, stopping, drain_timeout=30.0)
+    assert stats.interrupted and originals == 1
     assert result["status"] == "invalid", result  # judged as it is: not pending, not lost
     assert "no JSON" in result["error"] and "stopped" in result["error"], result["error"]
     assert result["attempts"] == 2 and result["repairs"] == 1  # its 503 counts, not the unsent
