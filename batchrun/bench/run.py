@@ -63,10 +63,22 @@ async def run_bench(
     cells: list[tuple[Cell, dict[str, Any]]] = []
     described: list[dict[str, Any]] = []
     failed: list[RequestError] = []
+
+    def done(cell: Cell) -> None:
+        summary = summarize(cell.records, cell.wall_s)
+        cells.append((cell, summary))
+        tps = summary["output_throughput"]
+        say(
+            f"  {cell.endpoint} / {cell.cls} @ {cell.concurrency}: "
+            f"{summary['succeeded']}/{summary['requests']} ok, "
+            + (f"{tps:,.0f} out tok/s" if tps is not None else "out tok/s unknown")
+        )
+
+    setup = _Setup(suite, plan, guided, transport, say, done)
     try:
         for endpoint in endpoints:
             try:
-                await _measure(endpoint, suite, plan, guided, transport, say, cells, described)
+                await _measure(endpoint, setup, described)
             except RequestError as exc:  # one endpoint down: the others are still measured
                 say(f"  {endpoint.name}: {exc}")
                 shown = shown_endpoint(endpoint.spec.base_url)
@@ -82,40 +94,32 @@ async def run_bench(
     return results
 
 
-async def _measure(
-    endpoint: Endpoint,
-    suite: Suite,
-    plan: LoadPlan,
-    guided: bool,
-    transport: Transport | None,
-    say: Callable[[str], None],
-    cells: list[tuple[Cell, dict[str, Any]]],
-    described: list[dict[str, Any]],
-) -> None:
-    """One endpoint's sweep, each cell added to `cells` as it ends."""
-    backend = build_backend(endpoint.spec, transport)
+@dataclass(frozen=True)
+class _Setup:
+    """What every endpoint of one run is measured under, and where it is told."""
+
+    suite: Suite
+    plan: LoadPlan
+    guided: bool
+    transport: Transport | None
+    say: Callable[[str], None]  # progress
+    done: Callable[[Cell], None]  # each cell as it ends
+
+
+async def _measure(endpoint: Endpoint, setup: _Setup, described: list[dict[str, Any]]) -> None:
+    """One endpoint's sweep, described (as results.json does) before it starts, so that the
+    cells of one stopped midway are not left without it."""
+    backend = build_backend(endpoint.spec, setup.transport)
     shown = shown_endpoint(endpoint.spec.base_url)
     try:
         listed = [] if endpoint.spec.model else await backend.list_models()
         model = endpoint.spec.model or (listed[0] if listed else None)
-        style = preset_for(endpoint.spec).guided_style if guided else None
-        run_plan = LoadPlan(
-            plan.levels, plan.repeat, plan.warmup, plan.rate, plan.seed, model, style
-        )
+        style = preset_for(endpoint.spec).guided_style if setup.guided else None
+        p = setup.plan
+        run_plan = LoadPlan(p.levels, p.repeat, p.warmup, p.rate, p.seed, model, style)
         described.append({"name": endpoint.name, "base_url": shown, "model": model})
-
-        def done(cell: Cell) -> None:
-            summary = summarize(cell.records, cell.wall_s)
-            cells.append((cell, summary))
-            tps = summary["output_throughput"]
-            say(
-                f"  {cell.endpoint} / {cell.cls} @ {cell.concurrency}: "
-                f"{summary['succeeded']}/{summary['requests']} ok, "
-                + (f"{tps:,.0f} out tok/s" if tps is not None else "out tok/s unknown")
-            )
-
-        say(f"benchmarking {endpoint.name} ({shown}, model {model}) ...")
-        await sweep(backend, endpoint.name, suite, run_plan, on_cell=done)
+        setup.say(f"benchmarking {endpoint.name} ({shown}, model {model}) ...")
+        await sweep(backend, endpoint.name, setup.suite, run_plan, on_cell=setup.done)
     finally:
         await backend.aclose()
 
