@@ -360,11 +360,11 @@ def _validate(spec: RunSpec, preset: Preset | None) -> None:
         raise OptionError("{concurrency} must be at least 1")
     if spec.max_concurrency < 1:
         raise OptionError("{max_concurrency} must be at least 1")
-    # the URLs themselves never shown: one may hold a user:password@
     metrics = spec.server_metrics
-    if metrics not in ("auto", "off") and (problem := url_problem(metrics)) is not None:
+    if metrics not in ("auto", "off") and url_problem(metrics) is not None:
         got = "a URL with a user:password@" if "@" in metrics else OptionError.quoted(metrics)
         raise OptionError(f"{{server_metrics}} must be auto, off or an http(s) URL, got {got}")
+    # these URLs are never shown: one may hold a user:password@
     for e in parse_endpoints(spec.endpoints):  # first: the job's base URL is the first's
         if (problem := url_problem(e.url)) is not None:
             raise UsageError(f"--endpoint {e.name}: its URL {problem}")
