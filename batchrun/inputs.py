@@ -19,40 +19,18 @@ import orjson
 from batchrun.config import InputGuards
 from batchrun.errors import UsageError
 from batchrun.ledger.records import BadLine, InputItem
-from batchrun.prefixes import prefix_key
-from batchrun.validate import response_format, schema_of, schema_problem
-
-# Top-level fields of a prompt/messages line that are request parameters rather than meta.
-REQUEST_FIELDS = frozenset(
-    {
-        "model",
-        "max_tokens",
-        "max_completion_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "stop",
-        "seed",
-        "n",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "logit_bias",
-        "logprobs",
-        "top_logprobs",
-        "response_format",
-        "tools",
-        "tool_choice",
-        "user",
-        "min_tokens",
-        "suffix",
-        "echo",
-    }
+from batchrun.line_shape import (
+    LONG_DIGITS,
+    LineProblem,
+    batch_shape,
+    only_calls,
+    plain_shape,
+    refuse_wide_integers,
+    type_name,
 )
-_PLAIN_KEYS = frozenset({"id", "prompt", "messages"})
-SCHEMA_KEY = "schema"  # a line's own JSON Schema for its answer: shorthand for response_format
-BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+from batchrun.prefixes import prefix_key
+from batchrun.validate import schema_of, schema_problem
+
 BOM = b"\xef\xbb\xbf"
 _READ_CHUNK = 1 << 16
 
@@ -148,13 +126,14 @@ class InputReader:
         limit = self.max_line_bytes
         number = 0
         while True:
-            raw = f.readline(limit + 1)
+            raw = f.readline(limit + 2)  # the line and its end, "\n" or "\r\n"
             if not raw:
                 break
             number += 1
             digest.update(raw)
-            if len(raw) > limit and not raw.endswith(b"\n"):
-                digest.update(self._skip_rest(f, digest))
+            if len(raw) > limit and len(raw.rstrip(b"\r\n")) > limit:
+                if not raw.endswith(b"\n"):
+                    digest.update(self._skip_rest(f, digest))
                 yield BadLine(number, f"line is longer than the limit of {limit} bytes")
                 continue
             if number == 1 and raw.startswith(BOM):
@@ -183,22 +162,30 @@ class InputReader:
         except orjson.JSONDecodeError as exc:
             return BadLine(number, _json_error_reason(raw, exc))
         if not isinstance(obj, dict):
-            return BadLine(number, f"expected a JSON object, got {_type_name(obj)}")
+            return BadLine(number, f"expected a JSON object, got {type_name(obj)}")
         try:
             # A NUL can only be there if the line spells one as an escape: skip the search else.
-            return self._build(number, obj, may_hold_nul=b"\\u0000" in raw)
-        except _LineProblem as problem:
+            built = self._build(number, obj, may_hold_nul=b"\\u0000" in raw)
+            if LONG_DIGITS.search(raw):  # the only lines that may hold an integer over 64 bits
+                refuse_wide_integers(raw)
+        except LineProblem as problem:
             return BadLine(number, str(problem))
+        return built
 
     def _build(self, number: int, obj: dict[str, Any], *, may_hold_nul: bool) -> InputItem:
         # The Batch API's shape, unless the line is a prompt (whose `body` field, an email's
         # say, is its own: kept as meta like any field that is not a request's)
         if ("custom_id" in obj or "body" in obj) and "prompt" not in obj and "messages" not in obj:
-            endpoint, body, item_id, meta = _batch_shape(obj)
+            endpoint, body, item_id, meta = batch_shape(obj)
         else:
-            endpoint, body, item_id, meta = _plain_shape(obj, self.endpoint)
+            endpoint, body, item_id, meta = plain_shape(obj, self.endpoint)
         if item_id is None:
             item_id = str(number)
+        if body.get("tools") and only_calls(body.get("tool_choice")):
+            raise LineProblem(
+                "asks for nothing but a tool call ('tool_choice'), and batchrun keeps text "
+                "answers, not tool calls (for JSON answers give a 'schema')"
+            )
         if "response_format" in body:
             self._check_line_schema(body["response_format"])
         if may_hold_nul or self.max_input_chars is not None or self.max_input_tokens is not None:
@@ -207,7 +194,7 @@ class InputReader:
             body_json, as_sent = canonical_json(body)
             meta_json = orjson.dumps(meta) if meta else None
         except TypeError as exc:  # e.g. lone surrogates cannot be encoded back
-            raise _LineProblem(f"cannot be re-encoded as JSON: {exc}") from None
+            raise LineProblem(f"cannot be re-encoded as JSON: {exc}") from None
         if self.defaults:
             digest = canonical_digest(self.defaults, body)
         else:
@@ -223,11 +210,14 @@ class InputReader:
         schema = schema_of(fmt)
         if schema is None:
             return
-        key = orjson.dumps(schema, option=orjson.OPT_SORT_KEYS)
+        try:
+            key = orjson.dumps(schema, option=orjson.OPT_SORT_KEYS)
+        except TypeError as exc:  # nested past orjson's depth
+            raise LineProblem(f"its schema cannot be re-encoded as JSON: {exc}") from None
         if key not in self._good_schemas:
             problem = schema_problem(schema)
             if problem is not None:
-                raise _LineProblem(f"its schema {problem}")
+                raise LineProblem(f"its schema {problem}")
             if len(self._good_schemas) < 1000:
                 self._good_schemas.add(key)
 
@@ -236,17 +226,17 @@ class InputReader:
         sent: a night's run should not find them one 400 at a time."""
         text = _prompt_texts(body)
         if any("\x00" in part for part in text):
-            raise _LineProblem("the prompt contains a NUL character (\\u0000)")
+            raise LineProblem("the prompt contains a NUL character (\\u0000)")
         if self.max_input_chars is None and self.max_input_tokens is None:
             return
         chars = sum(len(part) for part in text)
         if self.max_input_chars is not None and chars > self.max_input_chars:
-            raise _LineProblem(
+            raise LineProblem(
                 f"the prompt has {chars} characters, over --max-input-chars {self.max_input_chars}"
             )
         tokens = estimate_tokens(chars)
         if self.max_input_tokens is not None and tokens > self.max_input_tokens:
-            raise _LineProblem(
+            raise LineProblem(
                 f"the prompt has about {tokens} tokens ({chars} characters / 4), over "
                 f"--max-input-tokens {self.max_input_tokens}"
             )
@@ -281,121 +271,9 @@ def _prompt_texts(body: dict[str, Any]) -> list[str]:
     return parts
 
 
-class _LineProblem(Exception):
-    """Internal: the reason one line is bad."""
-
-
-def _type_name(value: Any) -> str:
-    names = {
-        dict: "an object",
-        list: "an array",
-        str: "a string",
-        bool: "a boolean",
-        int: "a number",
-        float: "a number",
-        type(None): "null",
-    }
-    return names.get(type(value), type(value).__name__)
-
-
 def _json_error_reason(raw: bytes, exc: orjson.JSONDecodeError) -> str:
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as ude:
         return f"not valid UTF-8 (byte {ude.start})"
     return f"invalid JSON: {exc.msg} (column {exc.colno})"
-
-
-def _item_id(obj: dict[str, Any], key: str) -> str | None:
-    if key not in obj:
-        return None
-    value = obj[key]
-    if isinstance(value, float) and value.is_integer() and abs(value) >= 2**63:
-        raise _LineProblem(
-            f"{key!r} is an integer too large to keep exactly (over 64 bits); write it as a string"
-        )
-    if isinstance(value, float):
-        if not value.is_integer():
-            raise _LineProblem(f"{key!r} is a non-integer number ({value!r}); write it as a string")
-        raise _LineProblem(f"{key!r} is a decimal ({value!r}); write it as an integer or a string")
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise _LineProblem(f"{key!r} must be a string or an integer, got {_type_name(value)}")
-    text = str(value)
-    if not text.strip():
-        raise _LineProblem(f"{key!r} is empty")
-    return text
-
-
-def _check_messages(messages: Any) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise _LineProblem("'messages' must be a non-empty array")
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise _LineProblem(f"messages[{i}] must be an object, got {_type_name(msg)}")
-        if not isinstance(msg.get("role"), str):
-            raise _LineProblem(f"messages[{i}] needs a string 'role'")
-        content = msg.get("content")
-        if not isinstance(content, (str, list)) and not (content is None and "tool_calls" in msg):
-            raise _LineProblem(f"messages[{i}] needs 'content' as a string or an array")
-
-
-def _check_prompt(prompt: Any) -> None:
-    if not isinstance(prompt, str):
-        raise _LineProblem(f"'prompt' must be a string, got {_type_name(prompt)}")
-    if not prompt.strip():
-        raise _LineProblem("'prompt' is empty")
-
-
-def _plain_shape(
-    obj: dict[str, Any], endpoint: str
-) -> tuple[str, dict[str, Any], str | None, dict[str, Any]]:
-    item_id = _item_id(obj, "id")
-    body: dict[str, Any] = {}
-    meta: dict[str, Any] = {}
-    if not obj.keys() <= _PLAIN_KEYS:  # the common line has nothing but id and prompt/messages
-        for key, value in obj.items():
-            if key in REQUEST_FIELDS:
-                body[key] = value
-            elif key not in _PLAIN_KEYS:
-                meta[key] = value
-    if isinstance(meta.get(SCHEMA_KEY), dict):  # anything else under that name stays meta
-        if "response_format" in body:
-            raise _LineProblem("has both 'schema' and 'response_format'; give one")
-        body["response_format"] = response_format("json_schema", meta.pop(SCHEMA_KEY))
-    if "messages" in obj:
-        if "prompt" in obj:
-            raise _LineProblem("has both 'prompt' and 'messages'; give one")
-        _check_messages(obj["messages"])
-        if endpoint != "chat":
-            raise _LineProblem("'messages' needs the chat endpoint (job uses completions)")
-        body["messages"] = obj["messages"]
-    elif "prompt" in obj:
-        _check_prompt(obj["prompt"])
-        if endpoint == "chat":
-            body["messages"] = [{"role": "user", "content": obj["prompt"]}]
-        else:
-            body["prompt"] = obj["prompt"]
-    else:
-        raise _LineProblem("no 'prompt', 'messages' or batch 'body' field")
-    return endpoint, body, item_id, meta
-
-
-def _batch_shape(obj: dict[str, Any]) -> tuple[str, dict[str, Any], str | None, dict[str, Any]]:
-    item_id = _item_id(obj, "custom_id")
-    method = obj.get("method", "POST")
-    if method != "POST":
-        raise _LineProblem(f"batch 'method' must be POST, got {method!r}")
-    url = obj.get("url")
-    endpoint = BATCH_URLS.get(url) if isinstance(url, str) else None
-    if endpoint is None:
-        raise _LineProblem(f"batch 'url' must be one of {', '.join(BATCH_URLS)}, got {url!r}")
-    body = obj.get("body")
-    if not isinstance(body, dict):
-        raise _LineProblem(f"batch 'body' must be an object, got {_type_name(body)}")
-    if endpoint == "chat":
-        _check_messages(body.get("messages"))
-    else:
-        _check_prompt(body.get("prompt"))
-    body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-    meta = {k: v for k, v in obj.items() if k not in ("custom_id", "method", "url", "body")}
-    return endpoint, body, item_id, meta

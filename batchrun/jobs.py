@@ -4,6 +4,7 @@ the Python API in api.py composes; backends are made in backends/build.py)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
 import time
@@ -87,6 +88,10 @@ def job_spec(job: Job) -> RunSpec:
 
 def create_job(ledger: Ledger, name: str, input_path: Path, spec: RunSpec) -> IngestReport:
     """Load the input into a new job, all or nothing (bad lines refuse it unless skipped)."""
+    where = str(input_path.resolve())
+    if any("\ud800" <= c <= "\udfff" for c in where):  # a Latin-1 name: not text to keep
+        shown = os.fsencode(input_path.name)
+        raise UsageError(f"the input file's name is not UTF-8 ({shown!r}): rename the file")
     reader = InputReader(
         input_path,
         endpoint=spec.endpoint,
@@ -96,7 +101,7 @@ def create_job(ledger: Ledger, name: str, input_path: Path, spec: RunSpec) -> In
     )
     report = ledger.create_job(
         name,
-        input_path=str(input_path.resolve()),
+        input_path=where,
         input_digest=lambda: reader.stats.file_digest,
         spec=spec.to_json(),
         lines=reader,

@@ -171,8 +171,8 @@ class Sender:
                             raise Rerouted(f"{lane.name} refused it: {exc}") from None
                         if own:  # every endpoint refused the line: it fails, not the job
                             raise PermanentError(str(exc)) from None
-                    if own and fleet.left_out:  # the one endpoint left of several: the same
-                        raise PermanentError(str(exc)) from None
+                    if own and (fleet.left_out or self._not_the_jobs(item, lane)):
+                        raise PermanentError(str(exc)) from None  # that line's: it fails
                     raise
                 except anyio.get_cancelled_exc_class():  # a second Ctrl-C: stopped unanswered
                     log_attempt("cancelled", error="the run was stopped before the answer came")
@@ -271,6 +271,14 @@ class Sender:
         if self.fleet.only is None and model and "model" not in item.body:
             return {**body, "model": model}
         return body
+
+    def _not_the_jobs(self, item: ClaimedItem, lane: Lane) -> bool:
+        """With one endpoint: the line asked for another API kind or model than the job's own,
+        so a 404 to it says nothing of the job (its other lines show whether the endpoint
+        serves). A job with no model of its own: a 404 may be the endpoint's, and stops it."""
+        model = self.defaults.get("model")
+        asked = item.body.get("model")
+        return item.endpoint != lane.route.spec.endpoint or (model is not None and asked != model)
 
     def _result(
         self,

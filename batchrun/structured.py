@@ -25,11 +25,15 @@ def _add(total: int | None, more: int | None) -> int | None:
     return more if total is None else total + (more or 0)
 
 
+TOOL_CALLS = ("tool_calls", "function_call")
+TOOL_CALL_ERROR = "the answer is a tool call; batchrun keeps text answers, not tool calls"
+
+
 @dataclass(frozen=True)
 class Outcome:
     """An item's final verdict on the answer it ends with."""
 
-    status: str  # done | invalid
+    status: str  # done | invalid | failed (a tool call)
     parsed: str | None
     error: str | None
 
@@ -125,6 +129,8 @@ class AnswerPlan:
             )
         if completion.finish_reason == "length" and self._grow_max_tokens(completion):
             return None
+        if completion.finish_reason in TOOL_CALLS:  # its text is empty: the call is not kept
+            return Outcome("failed", None, TOOL_CALL_ERROR)
         if self.check is None:
             return Outcome("done", None, None)
         verdict = self.check.check(completion.text, completion.finish_reason)

@@ -48,6 +48,8 @@ def schema_problem(schema: Any) -> str | None:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
         return f"is not a valid JSON Schema: {exc.message}"
+    except RecursionError:
+        return "is nested too deeply to check"
     return _unresolved(schema)
 
 

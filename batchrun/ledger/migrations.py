@@ -27,6 +27,7 @@ from batchrun.ledger.engine import make_engine, storage_errors
 from batchrun.ledger.schema import (
     chunks,
     items,
+    items_id_digest_unique,
     items_id_unique,
     items_reuse,
     items_sched,
@@ -43,6 +44,7 @@ def _v1_initial(conn: Connection) -> None:
     jobs.create(conn, checkfirst=True)
     items.create(conn, checkfirst=True)
     items_id_unique.create(conn, checkfirst=True)
+    items_id_digest_unique.create(conn, checkfirst=True)
 
 
 def _v2_limit_history(conn: Connection) -> None:
@@ -120,6 +122,15 @@ def _v10_collected_jobs(conn: Connection) -> None:
     _add_column(conn, "jobs", "collected_at", "FLOAT")
 
 
+def _v11_long_ids(conn: Connection) -> None:
+    """Ids unique by their md5, not their text, where the database limits an index entry
+    (PostgreSQL: an id over 2,704 bytes refused the whole load; see schema.py). A ledger
+    keeps one of the two indexes."""
+    items_id_digest_unique.create(conn, checkfirst=True)  # made only where that is the kind
+    if items_id_digest_unique.name in {i["name"] for i in inspect(conn).get_indexes("items")}:
+        conn.execute(text(f"DROP INDEX IF EXISTS {items_id_unique.name}"))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "initial jobs and items", _v1_initial),
     (2, "jobs.limit_history for --concurrency auto", _v2_limit_history),
@@ -135,6 +146,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (8, "items.extra_*_tokens: paid tokens no answer shows, for budgets", _v8_extra_tokens),
     (9, "workers.lease: each worker judged by its own", _v9_worker_leases),
     (10, "jobs.collected_at: a job gc kept only answers of", _v10_collected_jobs),
+    (11, "item ids unique by their md5 where index entries are limited", _v11_long_ids),
 ]
 
 

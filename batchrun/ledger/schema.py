@@ -12,6 +12,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    func,
     text,
 )
 
@@ -134,15 +135,22 @@ items = Table(
 )
 
 # Ids are unique per job among real items; rejected lines may repeat an id (that is why they
-# were rejected) and so are left out of the index.
+# were rejected) and so are left out of the index. PostgreSQL's B-tree holds at most 2,704
+# bytes an entry and an id (a URL, say) may be longer: there ids are unique by their md5.
 items_id_unique = Index(
     "ix_items_job_item_id",
     items.c.job,
     items.c.item_id,
     unique=True,
     sqlite_where=text("status != 'rejected'"),
+).ddl_if(dialect="sqlite")
+items_id_digest_unique = Index(
+    "ix_items_job_item_md5",
+    items.c.job,
+    func.md5(items.c.item_id),
+    unique=True,
     postgresql_where=text("status != 'rejected'"),
-)
+).ddl_if(dialect="postgresql")
 
 # Claims walk the pending items in claim order (partial: an item leaves it when claimed).
 items_sched = Index(

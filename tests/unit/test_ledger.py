@@ -72,6 +72,55 @@ def test_migrations_on_blank_database_are_ordered_and_idempotent(tmp_path: Path)
     assert versions == sorted(versions) and len(set(versions)) == len(versions)
 
 
+def test_a_ledger_made_before_long_ids_takes_them_and_still_refuses_repeats(
+    ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ledger of version 10 (PostgreSQL: ids unique by their text, in a B-tree that holds
+    at most 2,704 bytes an entry) migrates to ids unique by their md5 there; the same
+    rule holds on both ledgers: an id of any length loads, a repeated one is refused."""
+    engine = make_engine(ledger_url)
+    monkeypatch.setattr("batchrun.ledger.migrations.MIGRATIONS", MIGRATIONS[:10])
+    migrate(engine)
+    if engine.dialect.name == "postgresql":  # as version 10 made it
+        with engine.begin() as conn:
+            conn.execute(text("DROP INDEX ix_items_job_item_md5"))
+            conn.execute(
+                text(
+                    "CREATE UNIQUE INDEX ix_items_job_item_id ON items (job, item_id) "
+                    "WHERE status != 'rejected'"
+                )
+            )
+    monkeypatch.undo()
+    assert migrate(engine) == 1
+    indexes = {i["name"] for i in inspect(engine).get_indexes("items")}
+    kept = (
+        "ix_items_job_item_md5" if engine.dialect.name == "postgresql" else "ix_items_job_item_id"
+    )
+    assert kept in indexes and len(indexes & {"ix_items_job_item_md5", "ix_items_job_item_id"}) == 1
+    engine.dispose()
+    ledger = Ledger(ledger_url)
+    long_id = "https://bucket.example/doc.pdf?sig=" + "".join(f"{n:08x}" for n in range(400))
+    report = ledger.create_job(
+        "long",
+        input_path="in.jsonl",
+        input_digest="abc",
+        spec={},
+        lines=[item(1, long_id), item(2)],
+        skip_invalid=False,
+    )
+    assert report.accepted == 2
+    with pytest.raises(InputError, match="duplicate"):
+        ledger.create_job(
+            "twice",
+            input_path="in.jsonl",
+            input_digest="abc",
+            spec={},
+            lines=[item(1, long_id), item(2, long_id)],
+            skip_invalid=False,
+        )
+    ledger.close()
+
+
 def test_sqlite_runs_in_wal_mode_with_busy_timeout(tmp_path: Path) -> None:
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
     with ledger.engine.connect() as conn:
@@ -502,7 +551,7 @@ def test_migrations_bring_an_older_ledger_up_to_date(tmp_path: Path) -> None:
     )
     conn.close()
     engine = make_engine(f"sqlite:///{db}")
-    assert migrate(engine) == 9  # v2 to v10 ran
+    assert migrate(engine) == 10  # v2 to v11 ran
     assert "limit_history" in {c["name"] for c in inspect(engine).get_columns("jobs")}
     assert {
         "repairs",
