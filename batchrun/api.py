@@ -25,16 +25,17 @@ import anyio
 
 from batchrun import batch_mode
 from batchrun import jobs as verbs
-from batchrun.config import RunOptions, RunSpec, load_spec_file
+from batchrun.config import RunOptions, RunSpec
 from batchrun.errors import UsageError
 from batchrun.jobs import Home
 from batchrun.ledger import IngestReport, Job, Ledger, ledger_file, left, shown_url
 from batchrun.outputs import FORMATS, Result, result_of
 from batchrun.progress import ProgressUpdate
 from batchrun.report import JobAborted, JobReport, checked
-from batchrun.row_input import rows_job, write_rows
+from batchrun.row_input import input_of, option_layers, rows_job
 from batchrun.run_state import RunStats
 from batchrun.status_view import job_detail, jobs_table
+from batchrun.stopping import Raised, carried, handlers_put_back
 
 PathLike = str | os.PathLike[str]
 
@@ -67,9 +68,11 @@ async def submit_async(
     endpoint; where `gc` collected that job, the next name it did not: `-2`, `-3`...). With
     `run=False` the job is loaded and nothing is sent. `handle_signals`: a
     Ctrl-C or SIGTERM stops the run gracefully (main thread only; the sync verbs set it)."""
+    _signals_here(handle_signals)
     where = _home(home, ledger)
-    layers = _layers(spec, options)
-    path, name = await anyio.to_thread.run_sync(_input, source, where, job, layers)
+    layers = option_layers(spec, options)
+    # rows are read here, in the caller's thread (a database cursor is its thread's)
+    path, name = input_of(source, where, job, layers)
     named_here = job is None and not isinstance(source, (str, os.PathLike))
     with _ledger(where) as led:
         name, existing = rows_job(led, name) if named_here else (name, led.get_job(name))
@@ -118,6 +121,7 @@ async def resume_async(
     """Continue `job`: send every item that has no final record yet. The input guards
     (skip_invalid, max_line_bytes, max_input_*) were applied when it was loaded; given here,
     they change nothing."""
+    _signals_here(handle_signals)
     where = _home(home, ledger)
     with _ledger(where) as led:
         found = _job(led, where, job)
@@ -125,7 +129,7 @@ async def resume_async(
         note = await anyio.to_thread.run_sync(changed, found)
         if note:
             _say(on_message, note)
-        run_spec = verbs.resolve_for_job(found, *_layers(spec, options))
+        run_spec = verbs.resolve_for_job(found, *option_layers(spec, options))
         listen = _Listen(handle_signals, on_progress, on_message)
         report = await _run(led, where, found.name, run_spec, listen)
     return checked(replace(report, notes=(note, *report.notes) if note else report.notes))
@@ -221,6 +225,8 @@ def export(
     where = _home(home, ledger)
     with _ledger(where, existing=True) as led:
         found = _job(led, where, job)
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise UsageError(f"path must be a path or a string, not {type(path).__name__}")
         target = Path(path).expanduser() if path is not None else where.output_path(found.name, fmt)
         verbs.export(led, target, found.name, verbs.job_spec(found), fmt)
     return target
@@ -307,14 +313,16 @@ def in_new_loop(call: Callable[..., Awaitable[JobReport]], options: Mapping[str,
     if "handle_signals" in options:
         raise UsageError("handle_signals is for the async verbs: the sync ones stop on signals")
     main = threading.current_thread() is threading.main_thread()
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
-    try:
-        report = anyio.run(functools.partial(call, handle_signals=main, **options))
-    finally:
-        for signum, handler in saved.items():  # the event loop leaves the defaults behind
-            if handler is not None:
-                signal.signal(signum, handler)
+    with handlers_put_back():
+        report = anyio.run(carried, functools.partial(call, handle_signals=main, **options))
+    if isinstance(report, Raised):
+        raise report.error  # out of the loop, closed (see carried)
     return report
+
+
+def _signals_here(handle_signals: bool) -> None:
+    if handle_signals and threading.current_thread() is not threading.main_thread():
+        raise UsageError("handle_signals=True needs the main thread: only it hears signals")
 
 
 def _no_running_loop(verb: str) -> None:
@@ -332,6 +340,9 @@ def _no_running_loop(verb: str) -> None:
 
 
 def _home(home: PathLike, ledger: str | None) -> Home:
+    for key, value in (("home", home), ("ledger", ledger)):
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise UsageError(f"{key} must be a path or a string, not {type(value).__name__}")
     root = Path(home).expanduser()
     if root.exists() and not root.is_dir():
         raise UsageError(f"home {str(root)!r} is a file, not a folder")
@@ -360,32 +371,6 @@ def _job(led: Ledger, where: Home, name: str, *, collected_ok: bool = False) -> 
     if not collected_ok:
         verbs.not_collected(led, found)
     return found
-
-
-def _layers(spec: PathLike | None, options: Mapping[str, Any]) -> list[dict[str, Any]]:
-    layers = [load_spec_file(Path(spec))] if spec is not None else []
-    given = dict(options)
-    if isinstance(given.get("schema"), os.PathLike):
-        given["schema"] = os.fspath(given["schema"])
-    layers.append(given)
-    return layers
-
-
-def _input(
-    source: PathLike | Iterable[Mapping[str, Any]],
-    where: Home,
-    job: str | None,
-    layers: list[dict[str, Any]],
-) -> tuple[Path, str]:
-    """The input file and the job's name (rows are written to HOME/inputs/ first)."""
-    if job is not None:
-        verbs.check_job_name(job)  # before anything is written
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source).expanduser()
-        return path, job or verbs.check_job_name(verbs.default_job_name(path))
-    merged = {k: v for layer in layers for k, v in layer.items() if v is not None}
-    path, digest = write_rows(source, where.root / "inputs", merged)
-    return path, job or f"rows-{digest[:12]}"
 
 
 def _say(on_message: OnMessage | None, message: str) -> None:

@@ -8,6 +8,7 @@ resume runs the same way; it holds the *name* of the API-key variable, never the
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -256,15 +257,14 @@ def checked(label: str, value: Any, kind: str) -> Any:
     allowed = ACCEPTED.get(kind)
     if allowed and (not isinstance(value, allowed) or (kind != "bool" and isinstance(value, bool))):
         raise OptionError(f"{label} must be {kind}, got {OptionError.quoted(value)}")
-    if kind == "float":
-        return float(value)
-    if kind == "tuple":
-        return tuple(value)
-    return value
+    if kind == "float" and not math.isfinite(value):  # a DataFrame's empty cell: NaN
+        raise OptionError(f"{label} must be a number, got {OptionError.quoted(value)}")
+    return float(value) if kind == "float" else tuple(value) if kind == "tuple" else value
 
 
 def load_spec_file(path: Path) -> dict[str, Any]:
     """Read a job spec TOML; keys are option names (dashes or underscores)."""
+    path = path.expanduser()
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

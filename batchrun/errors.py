@@ -9,10 +9,24 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 
 
 class BatchrunError(Exception):
     """Root of every error batchrun raises on purpose."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as it is, not by calling its class again with its message (an InputError
+        takes its problems, a JobAborted its report): so it crosses a process pool's boundary
+        (multiprocessing, joblib, Dask) as raised."""
+        return (_restored, (type(self), self.args, self.__dict__))
+
+
+def _restored(cls: type[BatchrunError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 # --- request outcomes -------------------------------------------------------------------------

@@ -3,10 +3,8 @@ the Python API in api.py composes; backends are made in backends/build.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -32,13 +30,22 @@ from batchrun.errors import (
 )
 from batchrun.inputs import InputReader, file_digest
 from batchrun.lanes import EndpointUse
-from batchrun.ledger import FINAL_STATUSES, IngestReport, Job, Joining, Ledger, left
+from batchrun.ledger import (
+    FINAL_STATUSES,
+    IngestReport,
+    Job,
+    Joining,
+    Ledger,
+    home_expanded,
+    left,
+)
 from batchrun.limiter import estimate_split
 from batchrun.outputs import FORMATS, write_results
 from batchrun.progress import JobLog, Progress, ProgressUpdate
 from batchrun.routes import opened_routes
 from batchrun.run_state import BUSY_PATIENCE_S, RunnerSettings, RunStats
 from batchrun.runner import Runner
+from batchrun.stopping import leaving_if_stopped, stop_on_signals
 from batchrun.structured import OutputRules
 from batchrun.validate import load_schema
 
@@ -55,7 +62,8 @@ class Home:
     @classmethod
     def at(cls, root: Path, ledger_url: str | None) -> Home:
         root = root.resolve()
-        return cls(root, ledger_url or f"sqlite:///{root / 'jobs' / 'ledger.db'}")
+        url = home_expanded(ledger_url) if ledger_url else None
+        return cls(root, url or f"sqlite:///{root / 'jobs' / 'ledger.db'}")
 
     def output_path(self, job: str, fmt: str = "native") -> Path:
         return self.root / "outputs" / FORMATS[fmt].place.format(job=job)
@@ -190,8 +198,9 @@ def resolve_for_job(
     base = reuse.options(job.spec) if job else {}
     spec = resolve(base, *layers, endpoint_required=endpoint_required)
     if spec.schema:
-        load_schema(spec.schema)
-        spec = replace(spec, schema=str(Path(spec.schema).resolve()))
+        schema = Path(spec.schema).expanduser()
+        load_schema(str(schema))
+        spec = replace(spec, schema=str(schema.resolve()))
     if spec.backend == "sim":
         sim_config(spec)
     if spec.reuse_max_age:
@@ -291,16 +300,18 @@ async def run_job(
             settings = replace(settings, worker=settings.worker or uuid.uuid4().hex)
             joining = Joining(reuse.joined(spec), reuse.SAME, settings.lease_ttl, settings.worker)
             reuse_run = partial(reuse.prepare, ledger, name, spec, log, joining)
-            waiting, reused = await anyio.to_thread.run_sync(reuse_run)
-            counts = ledger.counts(name)
-            progress = Progress(
-                total=sum(counts.values()),
-                initial=sum(counts[s] for s in FINAL_STATUSES),
-                concurrency=spec.most_in_flight,  # the runner shows its own limit
-                on_progress=on_progress,
-                on_message=on_message,
-            )
-            progress.update(newly_done=0, tokens=0, retries=0, failed=0)  # where it starts
+            with leaving_if_stopped(ledger, name, settings.worker):  # prepare joined it
+                waiting, reused = await anyio.to_thread.run_sync(reuse_run)
+                counts = ledger.counts(name)
+                progress = Progress(
+                    total=sum(counts.values()),
+                    initial=sum(counts[s] for s in FINAL_STATUSES),
+                    concurrency=spec.most_in_flight,  # the runner shows its own limit
+                    on_progress=on_progress,
+                    on_message=on_message,
+                )
+                progress.update(newly_done=0, tokens=0, retries=0, failed=0)  # where it starts
+                progress.raise_what_a_callback_raised()
             runner = Runner(
                 ledger,
                 routes,
@@ -315,12 +326,13 @@ async def run_job(
             try:
                 async with anyio.create_task_group() as tg:
                     if handle_signals:
-                        tg.start_soon(_stop_on_signals, runner)
+                        tg.start_soon(stop_on_signals, runner.request_stop)
                     stats = await runner.run()
                     stats.reused, stats.duplicates = reused, waiting
                     tg.cancel_scope.cancel()
             except BaseExceptionGroup as group:
                 raise single_error(group) from None
+            progress.raise_what_a_callback_raised()  # the run stopped for it, and is committed
             return _after(batched, stats)
     except FatalError as exc:
         if opened:
@@ -349,8 +361,8 @@ async def _batches_first(
         worker = uuid.uuid4().hex  # joined in the pass that copies, as the batch run's worker
         joining = Joining(reuse.joined(spec), reuse.SAME, spec.lease, worker)
         reuse_run = partial(reuse.prepare, ledger, name, spec, log, joining)
-        waiting, reused = await anyio.to_thread.run_sync(reuse_run)
-        try:
+        with leaving_if_stopped(ledger, name, worker):  # one that never started (a bad key)
+            waiting, reused = await anyio.to_thread.run_sync(reuse_run)
             stats = await batch_mode.run_batches(
                 ledger,
                 name,
@@ -361,10 +373,6 @@ async def _batches_first(
                 handle_signals=handle_signals,
                 worker=worker,
             )
-        except BaseException:  # one that never started (a bad key) leaves as it came
-            with contextlib.suppress(LedgerError):
-                ledger.release(name, worker)
-            raise
         stats.reused, stats.duplicates = reused, waiting
         return stats
     finally:
@@ -390,12 +398,6 @@ def output_rules(spec: RunSpec) -> OutputRules:
         retry_longer=spec.on_truncate == "retry-longer",
         max_tokens_cap=spec.max_tokens_cap,
     )
-
-
-async def _stop_on_signals(runner: Runner) -> None:
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            runner.request_stop(signum)
 
 
 def finish(ledger: Ledger, home: Home, name: str, spec: RunSpec) -> tuple[dict[str, int], bool]:

@@ -142,18 +142,35 @@ class Progress:
         self._started = time.monotonic()
         self._on_progress = on_progress
         self._on_message = on_message
+        # What a callback raised: not raised where it was called (a group commit, answers
+        # received after it would be dropped) but kept, the run stopped (`on_raised`), and
+        # raised once the run has ended. The callbacks are not called again after it.
+        self.raised: BaseException | None = None
+        self.on_raised: Callable[[], None] = lambda: None
 
     def say(self, message: str) -> None:
         """A line for the user (the first Ctrl-C's, say)."""
         if self._on_message is not None:
-            self._on_message(message)
+            self._hand(self._on_message, message)
+
+    def _hand(self, callback: Callable[[Any], None], value: Any) -> None:
+        if self.raised is not None:
+            return
+        try:
+            callback(value)
+        except (Exception, KeyboardInterrupt, SystemExit) as exc:
+            self.raised = exc
+            self.on_raised()
+
+    def raise_what_a_callback_raised(self) -> None:
+        if self.raised is not None:
+            raise self.raised
 
     def update(self, *, newly_done: int, tokens: int, retries: int, failed: int) -> None:
         self.done += newly_done
         if self._on_progress is not None:
             elapsed = time.monotonic() - self._started
-            self._on_progress(
-                ProgressUpdate(
-                    self.done, self.total, tokens, retries, failed, self.concurrency, elapsed
-                )
+            update = ProgressUpdate(
+                self.done, self.total, tokens, retries, failed, self.concurrency, elapsed
             )
+            self._hand(self._on_progress, update)

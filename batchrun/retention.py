@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from batchrun.api import PathLike, _home, _ledger
+from batchrun.errors import UsageError
 from batchrun.outputs import FORMATS
 from batchrun.reuse import seconds
 from batchrun.run_state import LEASE_TTL
@@ -23,7 +25,7 @@ class GcReport:
 
 
 def gc(
-    older_than: str = "30d",
+    older_than: str | timedelta = "30d",
     *,
     everything: bool = False,
     home: PathLike = ".",
@@ -32,7 +34,13 @@ def gc(
     """Remove jobs untouched for `older_than` ("30d", "12h"): their items, results files and
     logs, keeping the answers later jobs may reuse (or nothing: `everything`); then give the
     space back. A job a live worker is running is never touched."""
-    age = seconds(older_than, key="older_than")
+    if isinstance(older_than, timedelta):
+        age = older_than.total_seconds()
+    elif isinstance(older_than, str):
+        age = seconds(older_than, key="older_than")
+    else:  # a bare 30: days or seconds? Asking is cheaper than a wrong guess that deletes
+        kind = type(older_than).__name__
+        raise UsageError(f"older_than must be a duration like '30d' or a timedelta, not {kind}")
     where = _home(home, ledger)
     with _ledger(where, existing=True) as led:
         read_by = {job.name: job.input_path for job in led.list_jobs()}  # --all deletes jobs

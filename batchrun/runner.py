@@ -37,7 +37,7 @@ from batchrun.feeder import Feeder
 from batchrun.fleet import Fleet
 from batchrun.group_commit import write_in_groups
 from batchrun.lanes import EndpointUse, Lane, Route
-from batchrun.ledger import ClaimedItem, ItemResult, Ledger
+from batchrun.ledger import FINAL_STATUSES, ClaimedItem, ItemResult, Ledger
 from batchrun.ledger_calls import LedgerCalls
 from batchrun.progress import JobLog, Progress
 from batchrun.retrying import OutageWatch, RetryPolicy, until_set
@@ -106,6 +106,8 @@ class Runner:
             by_prefix=by_prefix(spec, routes),
         )
         self._stopping = self.feeder.stopping
+        if progress is not None:
+            progress.on_raised = self._stopping.set  # a callback raised: stop as on Ctrl-C
         # A retry's wait ends at a stop; the retry then is not sent (the sender's check).
         sleep = until_set(self._stopping, self.settings.sleep)
         self.policy = RetryPolicy(retries.max_attempts, self.fleet, sleep=sleep)
@@ -163,25 +165,25 @@ class Runner:
 
     async def run(self) -> RunStats:
         s = self.settings
-        self.stats.reclaimed = await self._db(
-            self.ledger.join,
-            self.job,
-            self.owner,
-            ttl=s.lease_ttl,
-            spec=joined(self.spec),
-            same=SAME,
-        )
-        await self._watch_spending()
-        self.log.event(
-            "run_started",
-            owner=self.owner,
-            reclaimed=self.stats.reclaimed,
-            concurrency=self.spec.concurrency,
-            backend=self.spec.backend,
-            model=self.spec.model,
-            order="prefix" if self.feeder.by_prefix else "input",
-        )
-        try:
+        try:  # from the join on: whatever ends the run, the worker leaves
+            self.stats.reclaimed = await self._db(
+                self.ledger.join,
+                self.job,
+                self.owner,
+                ttl=s.lease_ttl,
+                spec=joined(self.spec),
+                same=SAME,
+            )
+            await self._watch_spending()
+            self.log.event(
+                "run_started",
+                owner=self.owner,
+                reclaimed=self.stats.reclaimed,
+                concurrency=self.spec.concurrency,
+                backend=self.spec.backend,
+                model=self.spec.model,
+                order="prefix" if self.feeder.by_prefix else "input",
+            )
             results_send, results_recv = anyio.create_memory_object_stream[ItemResult](math.inf)
             async with anyio.create_task_group() as tg:
                 writer = functools.partial(write_in_groups, hurry=self._hurry)
@@ -203,6 +205,12 @@ class Runner:
             raise
         with anyio.CancelScope(shield=True):
             await self._finish(quiet_errors=False)
+        if self.progress is not None:  # other workers' commits too: where the job stands
+            counts = await self._db(self.ledger.counts, self.job)
+            done = sum(counts[status] for status in FINAL_STATUSES)
+            if done != self.progress.done:
+                self.progress.done = done
+                self._report_progress(0)
         return self.stats
 
     def _hurry(self) -> None:
@@ -399,10 +407,14 @@ class Runner:
             self.stats.by_status[result.status] = self.stats.by_status.get(result.status, 0) + 1
         self.log.flush()
         if self.progress is not None:
-            self.progress.update(
-                newly_done=max(len(group), finished),
-                tokens=self.stats.output_tokens,
-                retries=self.stats.retries,
-                failed=self.stats.by_status.get("failed", 0)
-                + self.stats.by_status.get("invalid", 0),
-            )
+            self._report_progress(max(len(group), finished))
+
+    def _report_progress(self, newly_done: int) -> None:
+        assert self.progress is not None
+        by_status = self.stats.by_status
+        self.progress.update(
+            newly_done=newly_done,
+            tokens=self.stats.output_tokens,
+            retries=self.stats.retries,
+            failed=by_status.get("failed", 0) + by_status.get("invalid", 0),
+        )

@@ -53,6 +53,20 @@ REFUSALS = (
 )
 
 
+def home_expanded(url: str) -> str:
+    """An SQLite URL whose path starts with `~` (`sqlite:///~/batch/ledger.db`), in the user's
+    home: SQLite would make a folder named `~` in the working directory, a new empty ledger
+    wherever the pipeline runs."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:  # not a URL: opening it says so
+        return url
+    database = parsed.database or ""
+    if parsed.get_backend_name() != "sqlite" or not database.startswith("~"):
+        return url
+    return parsed.set(database=str(Path(database).expanduser())).render_as_string(False)
+
+
 def ledger_file(url: str) -> tuple[Path, bool] | None:
     """The file an SQLite ledger URL names, and whether it is an SQLite URI
     (`sqlite:///file:/path?mode=ro&uri=true`, opened by SQLite as written: no folder of ours to
