@@ -48,7 +48,6 @@ FREE_TRIES = 2  # per endpoint: how often one item may fail for free on failing 
 # such a run by chance with odds f**4; drained by mistake, it is back at its first answer.
 REFUSALS_TO_DRAIN = 4
 
-
 _PROBING = object()  # a probe's lane, picked and not yet given its item
 
 
@@ -87,6 +86,7 @@ class Fleet:
         self._out_error: FatalError | None = None
         self._free: Counter[Hashable] = Counter()  # free tries per item, on failing endpoints
         self._refused: dict[Hashable, set[Lane]] = {}  # item -> lanes that refused it (4xx)
+        self._missed: dict[Hashable, Lane] = {}  # item -> the lane it last failed to reach
         if self.only is None:
             for lane in lanes:
                 lane.throttle.on_room = functools.partial(self._room, lane)
@@ -116,7 +116,7 @@ class Fleet:
         while True:
             self.check()
             queued = came and self._queued()
-            lane = None if queued else self._take(group, self._refusers(key))
+            lane = None if queued else self._take(group, self._refusers(key), key)
             if lane is not None:
                 lane.sent += 1
                 self._sent_to[key] = lane
@@ -173,7 +173,7 @@ class Fleet:
             return True
         return lane.state == "down" and self.grace > 0 and not lane.lost(self.clock(), self.grace)
 
-    def _take(self, group: int | None, refused: Collection[Lane]) -> Lane | None:
+    def _take(self, group: int | None, refused: Collection[Lane], key: Hashable) -> Lane | None:
         now = self.clock()
         lanes = [lane for lane in self.lanes if lane not in refused]
         for lane in lanes:  # first a probe of a lane that is down, when one is due
@@ -193,10 +193,13 @@ class Fleet:
         if any(lane.route.weight > 0 for lane in up):  # weight 0: a fallback
             up = [lane for lane in up if lane.route.weight > 0]
         up = [lane for lane in up if lane.rests_until <= now] or up  # after a 429: others first
+        # the lane the item last failed to reach goes last: it stays "up" for one line's
+        # failures, and as its group's lane, or the least loaded, would take every retry back
+        missed = self._missed.get(key)
         preferred = self._affinity.get(group) if group is not None else None
-        if preferred is not None and preferred in up and preferred.throttle.take():
+        if preferred not in (None, missed) and preferred in up and preferred.throttle.take():
             return preferred
-        for lane in sorted(up, key=Lane.load):
+        for lane in sorted(up, key=lambda lane: (lane is missed, lane.load())):
             if lane.throttle.take():
                 return lane
         return None
@@ -274,6 +277,7 @@ class Fleet:
     def success(self, key: Hashable = None, sent: float | None = None) -> None:
         lane = self.only or self._sent_to.pop(key)
         self._free.pop(key, None)
+        self._missed.pop(key, None)
         lane.outage.success(key, sent)
         lane.answered += 1
         lane.refusals = lane.refused_lately = 0
@@ -307,6 +311,8 @@ class Fleet:
             return False  # it fails wherever it goes: its own fault, its attempts count
         if any(self._takes(other, key, limited) for other in self.lanes if other is not lane):
             self._free[key] += 1
+            if not limited:  # a 429 is no miss: that lane rests, the others first anyway
+                self._missed[key] = lane
             return True
         return False
 
@@ -322,9 +328,11 @@ class Fleet:
         out, and another is up to take it."""
         if self.only is not None:
             return False
-        if self._sent_to.get(key) in self._refused.get(key, ()):  # its latest lane refused it
-            return True
         lane = self._sent_to.get(key)
+        if lane in self._refused.get(key, ()):  # its latest lane refused it
+            return True
+        if lane is not None and lane is self._missed.get(key):  # it failed to reach it
+            return any(self._takes(other, key) for other in self.lanes if other is not lane)
         if lane is None or self._takes(lane, key):
             return False
         return any(self._takes(other, key) for other in self.lanes if other is not lane)
@@ -360,6 +368,7 @@ class Fleet:
         self._sent_to.pop(key, None)
         self._free.pop(key, None)
         self._refused.pop(key, None)
+        self._missed.pop(key, None)
 
     def refused(self, lane: Lane, key: Hashable, error: RequestError) -> bool:
         """`lane` refused the item's request (a 400; a 404 to a model or API the line asked for
@@ -396,11 +405,8 @@ class Fleet:
 
     def _down(self, lane: Lane, *, refusing: bool = False) -> None:
         lane.state, lane.refusing = "down", refusing
-        lane.reason = (
-            f"refused {lane.refusals} lines in a row that other endpoints answered: {lane.refusal}"
-            if refusing
-            else lane.outage.last_error
-        )
+        refused = f"refused {lane.refusals} lines in a row that others answered: {lane.refusal}"
+        lane.reason = refused if refusing else lane.outage.last_error
         lane.probe_wait = PROBE_FIRST_S
         lane.probe_at = self.clock() + lane.probe_wait
         self._on_event("endpoint_down", endpoint=lane.name, error=lane.reason)

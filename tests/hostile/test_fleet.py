@@ -177,3 +177,31 @@ async def test_an_endpoint_that_answers_429_to_everything_does_not_fail_lines_an
     counts = ledger.counts("j")
     assert stats.aborted is None
     assert counts["failed"] == 0 and counts["done"] == 40, (counts, dict(hosts.posts))
+
+
+def test_a_line_that_failed_to_connect_goes_to_the_endpoint_that_answers(tmp_path: Path) -> None:
+    """Found by the Python API review (4 December): two endpoints, one of them never
+    listening. The first line sent there failed to connect, and every retry of it went back
+    to the same dead endpoint (it was the least loaded, and one failed line never makes an
+    endpoint "down": that takes failures on two lines, and the healthy endpoint had answered
+    every other line by then): the line failed after 9 connection errors, all on the dead
+    endpoint, 35-65 s of backoff, while the other answered everything at once. A line that
+    failed to reach an endpoint goes next to another that may take it, at once."""
+    import batchrun
+
+    rows = [{"id": f"r{i}", "prompt": f"say {i}"} for i in range(30)]
+    report = batchrun.submit(
+        rows,
+        home=tmp_path,
+        endpoints=["a=http://sim.invalid/v1,backend=sim", "b=http://127.0.0.1:1/v1,model=m"],
+        outage_timeout=0.5,
+        sim_options={"ttft_ms": 0.0, "tpot_ms": 0.0},
+    )
+    assert report.ok, report.counts
+    log = (tmp_path / "logs" / f"{report.job}.log").read_text().splitlines()
+    tries: dict[str, list[str]] = {}
+    for entry in map(json.loads, log):
+        if entry["event"] == "attempt":
+            tries.setdefault(entry["id"], []).append(entry["endpoint"])
+    for line, where in tries.items():
+        assert where.count("b") <= 1, (line, where)  # never back to the endpoint it missed
