@@ -279,7 +279,8 @@ async def _run(led: Ledger, where: Home, name: str, spec: RunSpec, listen: _List
     # the results file is written here: off the event loop, which may be the caller's
     counts, complete = await anyio.to_thread.run_sync(verbs.finish, led, where, name, final_spec)
     output = where.output_path(name) if complete else None
-    took_part = sum((w.stopped_at or started) >= started for w in led.workers(name))
+    # beat during it (a leave beats too); a dead one is marked stopped by this run's reclaim
+    took_part = sum(w.heartbeat >= started for w in led.workers(name))
     report = JobReport(name, counts, complete, output, notes=notes, stats=stats)
     return replace(report, workers=max(1, took_part))
 

@@ -7,6 +7,7 @@ reader (or a crash) only ever sees the old complete file or the new complete fil
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -18,6 +19,7 @@ import orjson
 
 from batchrun.errors import OutputError
 from batchrun.ledger.records import StoredItem
+from batchrun.ledger.workers import pid_alive, this_machine
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,8 +186,9 @@ def write_results(
         raise OutputError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     record = FORMATS[fmt].record
     folder = path.parent
-    # one temp file per writer: two threads of one process may write one job's file at once
-    tmp = folder / f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}"
+    # one temp file per writer: two threads of one process may write one job's file at once;
+    # named by its machine and process, so a writer killed mid-way can be told dead (_stale)
+    tmp = folder / f".{path.name}.tmp-{this_machine()[:12]}-{os.getpid()}-{threading.get_ident()}"
     count = 0
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -197,6 +200,8 @@ def write_results(
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(folder)
+        for stale in _stale(path):  # a writer killed mid-way (kill -9) left its part behind
+            _discard(stale)
     except OSError as exc:
         _discard(tmp)
         raise OutputError(f"cannot write results to {path}: {exc.strerror or exc}") from None
@@ -204,6 +209,17 @@ def write_results(
         _discard(tmp)  # e.g. the ledger failed mid-way: never leave half a file behind
         raise
     return count
+
+
+def _stale(path: Path) -> list[Path]:
+    """Temp files of `path` from writers of this machine whose process is gone."""
+    prefix = f".{path.name}.tmp-{this_machine()[:12]}-"
+    found = []
+    for tmp in path.parent.glob(f"{glob.escape(prefix)}*"):
+        pid = tmp.name[len(prefix) :].partition("-")[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            found.append(tmp)
+    return found
 
 
 def _discard(tmp: Path) -> None:

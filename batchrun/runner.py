@@ -146,6 +146,7 @@ class Runner:
         A second call stops in-flight requests at once (what finished is still committed)."""
         if self._stopping.is_set() and self._workers_scope is not None:
             self._workers_scope.cancel()
+            self._hurry()  # "stop now": the last commit and release wait out no lock
         elif self.progress is not None:
             self.progress.say(
                 f"stopping: waiting up to {self.settings.drain_timeout:g} s for "
@@ -164,13 +165,12 @@ class Runner:
     # --- the run --------------------------------------------------------------------------
 
     async def run(self) -> RunStats:
-        s = self.settings
         try:  # from the join on: whatever ends the run, the worker leaves
             self.stats.reclaimed = await self._db(
                 self.ledger.join,
                 self.job,
                 self.owner,
-                ttl=s.lease_ttl,
+                ttl=self.settings.lease_ttl,
                 spec=joined(self.spec),
                 same=SAME,
             )
@@ -215,7 +215,7 @@ class Runner:
 
     def _hurry(self) -> None:
         """The run is ending badly: its last ledger calls wait out no lock or outage."""
-        self._db.no_waiting = True
+        self._db.no_waiting = self.ledger.hurried = True
 
     async def _finish(self, *, quiet_errors: bool) -> None:
         """Give the job back (unfinished claims return to pending) and log the run's end."""

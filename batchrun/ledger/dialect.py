@@ -32,6 +32,8 @@ from batchrun.ledger.schema import jobs
 
 BUSY_TIMEOUT_MS = 30_000
 WRITE_OPTION = "batchrun_write"  # execution option marking a write transaction
+HURRY_OPTION = "batchrun_hurry"  # a write of a run told to stop now: a short wait for the lock
+HURRIED_BUSY_MS = 1000
 MIGRATION_LOCK = 0x62617463  # PostgreSQL advisory lock key for migrations ("batc")
 # SQLSTATEs of a server going away or not there yet: connection exceptions (class 08),
 # admin_shutdown, crash_shutdown, cannot_connect_now (starting up)
@@ -248,5 +250,7 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
 
 def _sqlite_begin(conn: Any) -> None:
     # Writers lock at BEGIN; readers start a deferred transaction and never wait in WAL.
-    write = conn.get_execution_options().get(WRITE_OPTION)
-    conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+    options = conn.get_execution_options()
+    if options.get(HURRY_OPTION):  # the connection is the ending run's: not waited for again
+        conn.exec_driver_sql(f"PRAGMA busy_timeout = {HURRIED_BUSY_MS}")
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if options.get(WRITE_OPTION) else "BEGIN")

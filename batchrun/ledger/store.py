@@ -16,7 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from batchrun.errors import EmptyInput, InputError, JobExists
 from batchrun.ledger import gc, reuse, stats, workers
 from batchrun.ledger.chunks import ChunkStore
-from batchrun.ledger.dialect import WRITE_OPTION, dialect_of
+from batchrun.ledger.dialect import HURRY_OPTION, WRITE_OPTION, dialect_of
 from batchrun.ledger.driver import Many
 from batchrun.ledger.engine import storage_errors
 from batchrun.ledger.gc import Collected
@@ -44,6 +44,7 @@ class Ledger:
         self.dialect = dialect_of(self.engine)
         self.chunks = ChunkStore(self)  # hosted Batch API batches (chunks.py)
         self._recorders: dict[bool, Many] = {}  # record's statement, by `batched`
+        self.hurried = False  # a run told to stop now: its writes wait 1 s for SQLite's lock
 
     def close(self) -> None:
         self.engine.dispose()
@@ -52,7 +53,7 @@ class Ledger:
     def _write(self, action: str) -> Iterator[Connection]:
         """A write transaction: BEGIN IMMEDIATE on SQLite, so it holds the lock from the start."""
         with storage_errors(action, self.dialect), self.engine.connect() as conn:
-            conn.execution_options(**{WRITE_OPTION: True})
+            conn.execution_options(**{WRITE_OPTION: True, HURRY_OPTION: self.hurried})
             with conn.begin():
                 yield conn
 
@@ -175,8 +176,10 @@ class Ledger:
                 conn.execute(
                     update(jobs).where(jobs.c.name == name).values(limit_history=as_json(limits))
                 )
-            workers.beat(conn, name, worker, lease_ttl=lease_ttl, progress=progress)
+            away = workers.beat(conn, name, worker, lease_ttl=lease_ttl, progress=progress)
             workers.note_endpoints(conn, worker, endpoints)
+            if away > lease_ttl:  # its own beat was kept away as long (a ledger locked past
+                return 0  # the lease): the others' too, and they are not judged by it now
             return workers.reclaim(conn, name, worker, ttl=lease_ttl)
 
     def release(

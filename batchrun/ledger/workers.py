@@ -125,11 +125,13 @@ def reclaim(conn: Connection, name: str, worker: str, *, ttl: float) -> int:
 
 def beat(
     conn: Connection, name: str, worker: str, *, lease_ttl: float, progress: tuple[int, int]
-) -> None:
+) -> float:
     """The worker is alive: its heartbeat, its counts (results, requests), its leases renewed.
-    If it was taken for gone while frozen, it is back (its old leases are not)."""
+    If it was taken for gone while frozen, it is back (its old leases are not). Returns the
+    seconds since its last beat."""
     recorded, requests = progress
     now = db_now(conn)
+    last = conn.execute(select(workers.c.heartbeat).where(workers.c.id == worker)).scalar()
     conn.execute(
         update(workers)
         .where(workers.c.id == worker)
@@ -142,6 +144,7 @@ def beat(
         .where(items.c.job == name, items.c.owner == worker, items.c.status == "running")
         .values(lease_expires=now + lease_ttl)
     )
+    return now - last if last is not None else 0.0
 
 
 def claim(
