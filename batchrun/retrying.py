@@ -272,7 +272,8 @@ class RetryPolicy:
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(TransientError),
             stop=lambda _state: clock() - started >= seconds,
-            wait=self._wait,
+            # a long Retry-After (a maintenance page) waits no longer than the grace left
+            wait=lambda state: min(self._wait(state), max(0.0, started + seconds - clock())),
             sleep=self.sleep,
             reraise=True,
         )

@@ -9,6 +9,7 @@ said once in the log).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -156,12 +157,14 @@ class Sender:
                 self.stats.requests += 1
                 if tries > 1:
                     self.stats.retries += 1
+                sent = time.perf_counter()
                 try:
                     completion = await lane.backend.complete(request, watch=slot)
                 except RequestError as exc:
                     slot.failed(exc)
-                    kind = type(exc).__name__
-                    log_attempt("error", http_status=exc.status, error_kind=kind, error=str(exc))
+                    took = _ms(time.perf_counter() - sent)
+                    why = {"error_kind": type(exc).__name__, "error": str(exc)}
+                    log_attempt("error", http_status=exc.status, latency_ms=took, **why)
                     # a 404 to the line's own model or API kind is that line's, not the endpoint's
                     own = isinstance(exc, NotFound) and _asked_itself(item, lane)
                     if isinstance(exc, FatalError) and not own and fleet.take_out(lane, exc):
@@ -184,6 +187,7 @@ class Sender:
                     plan.estimated = (plan.estimated[0] + prompt, plan.estimated[1] + tokens)
             log_attempt(
                 "ok",
+                http_status=completion.http_status,
                 latency_ms=_ms(completion.latency_s),
                 ttft_ms=_ms(completion.ttft_s),
                 prompt_tokens=completion.prompt_tokens,

@@ -214,6 +214,7 @@ class StreamedAnswer:
             if self.done:
                 raise StreamCut("stream ended ([DONE]) without a finish_reason: answer incomplete")
             raise StreamCut("stream ended before its final chunk (no finish_reason)")
+        _whole(self.finish)
         ttft = self.times[0] if self.times else None
         text = "".join(self.pieces)
         return completion(text, self.finish, self.usage, self.started, ttft, tuple(self.times))
@@ -258,9 +259,23 @@ def read_json(content: bytes, endpoint: str, started: float) -> Completion:
         raise StreamCut(problem) from None
     choices = data.get("choices") if isinstance(data, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        if isinstance(data, dict) and data.get("error"):  # a proxy's error, sent with a 200
+            raise Overloaded(f"server error: {message_of(data, str(data['error']))[:300]}")
         raise StreamCut("response has no usable choices")
     text = choice_text(choices[0], endpoint, streamed=False) or ""
-    return completion(text, choices[0].get("finish_reason"), data.get("usage"), started, None)
+    finish = choices[0].get("finish_reason")
+    _whole(finish)
+    return completion(text, finish, data.get("usage"), started, None)
+
+
+# Finish reasons that say the engine gave up on the answer (vLLM: an internal error, or the
+# request aborted): its text is a part, never a `done` answer. Retried, as a cut stream is.
+GAVE_UP = ("error", "abort")
+
+
+def _whole(finish: Any) -> None:
+    if finish in GAVE_UP:
+        raise StreamCut(f"the server ended the answer with finish_reason {finish!r}: incomplete")
 
 
 def completion(

@@ -57,6 +57,7 @@ class Completion:
     # Timings the server reports in `usage` (Groq: queue_time, prompt_time, completion_time,
     # total_time), in seconds.
     server_timing: dict[str, float] | None = None
+    http_status: int = 200  # the answer's HTTP status (any 2xx is an answer)
 
 
 class Watch(Protocol):

@@ -139,6 +139,16 @@ def rate_info(headers: Mapping[str, str]) -> RateInfo | None:
     )
 
 
+def _until_reset(rate: RateInfo) -> float | None:
+    """Seconds until the spent budgets (requests, tokens) refill, at most MAX_RETRY_AFTER."""
+    budgets = (
+        (rate.remaining_requests, rate.reset_requests_s),
+        (rate.remaining_tokens, rate.reset_tokens_s),
+    )
+    resets = [reset for left, reset in budgets if left is not None and left <= 0 and reset]
+    return min(max(resets), MAX_RETRY_AFTER) if resets else None
+
+
 def error_for_status(
     status: int, headers: Mapping[str, str], body: bytes, url: str
 ) -> RequestError:
@@ -154,9 +164,10 @@ def error_for_status(
         rate = rate_info(headers)
         left = (rate.remaining_requests, rate.remaining_tokens) if rate is not None else ()
         spent = any(n is not None and n <= 0 for n in left)  # overdrawn (< 0) is spent too
-        return RateLimited(
-            message, status=status, retry_after=retry_after(headers), budget_spent=spent
-        )
+        wait = retry_after(headers)
+        if spent and wait is None and rate is not None:  # no Retry-After: until its reset
+            wait = _until_reset(rate)
+        return RateLimited(message, status=status, retry_after=wait, budget_spent=spent)
     if status in (408, 409) or status >= 500:
         return Overloaded(message, status=status, retry_after=retry_after(headers))
     return BadRequest(message, status=status)

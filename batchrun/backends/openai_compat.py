@@ -242,6 +242,8 @@ class OpenAICompatBackend:
                 completion = await self._read_answer(resp, out)
             finally:
                 await resp.aclose()
+            if resp.status_code != 200:  # a 2xx of another number: logged as it was
+                completion = replace(completion, http_status=resp.status_code)
             rate = rate_info(resp.headers)
             return replace(completion, rate=rate) if rate else completion
         except httpx.TimeoutException:
