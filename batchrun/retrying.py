@@ -272,8 +272,9 @@ class RetryPolicy:
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(TransientError),
             stop=lambda _state: clock() - started >= seconds,
-            # a long Retry-After (a maintenance page) waits no longer than the grace left
-            wait=lambda state: min(self._wait(state), max(0.0, started + seconds - clock())),
+            # a long Retry-After (a maintenance page) waits no longer than the grace left (and
+            # a millisecond: a wait of what is left may end a hair short of it, for ever)
+            wait=lambda state: min(self._wait(state), max(0.0, started + seconds - clock()) + 1e-3),
             sleep=self.sleep,
             reraise=True,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 
+import anyio
 import pytest
 
 from batchrun.errors import (
@@ -425,6 +426,22 @@ async def test_call_within_waits_for_a_starting_server_then_gives_up() -> None:
     with pytest.raises(ConnectionFailed):
         await policy.call_within(never, 20.0)
     assert clock.now - before >= 20.0
+
+
+@pytest.mark.anyio
+async def test_call_within_ends_at_its_grace_whatever_the_clock_reads() -> None:
+    """Each wait is cut to the grace left; a wait of exactly what is left could end a hair
+    short of it in floating point (a clock past 1004: start + 20 crosses 1024 and rounds, and
+    (start + 20) - start < 20), and then every wait was 0 and the loop never ended (it hung
+    CI once). Starts spread over that range, seeded."""
+    random.seed(7)
+    for _ in range(300):
+        policy, _watch, clock = make_policy(grace=20.0)
+        clock.now = 1004 + 20 * random.random()
+        never = Script([], forever=lambda: ConnectionFailed("refused"))
+        with anyio.fail_after(5), pytest.raises(ConnectionFailed):
+            await policy.call_within(never, 20.0)
+        assert never.calls < 100
 
 
 @pytest.mark.anyio
