@@ -32,13 +32,10 @@ from batchrun.ledger import IngestReport, Job, Ledger, ledger_file, left, shown_
 from batchrun.outputs import FORMATS, Result, result_of
 from batchrun.progress import ProgressUpdate
 from batchrun.report import JobAborted, JobReport, checked
-from batchrun.row_input import input_of, option_layers, rows_job
+from batchrun.row_input import PathLike, input_of, option_layers, rows_job
 from batchrun.run_state import RunStats
 from batchrun.status_view import job_detail, jobs_table
 from batchrun.stopping import Raised, carried, handlers_put_back
-
-PathLike = str | os.PathLike[str]
-
 
 OnProgress = Callable[[ProgressUpdate], None]  # after each group commit
 OnMessage = Callable[[str], None]  # a line for the user: loaded, resuming, stopping...

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from batchrun.api import PathLike, _home, _ledger
+from batchrun.api import _home, _ledger
 from batchrun.errors import UsageError
 from batchrun.outputs import FORMATS
 from batchrun.reuse import seconds
+from batchrun.row_input import PathLike
 from batchrun.run_state import LEASE_TTL
 
 
