@@ -8,7 +8,7 @@ import json
 import re
 from typing import Any
 
-from batchrun.validate import response_format
+from batchrun.validate import kept_exactly, response_format
 
 # Top-level fields of a prompt/messages line that are request parameters rather than meta.
 REQUEST_FIELDS = frozenset(
@@ -116,7 +116,7 @@ def refuse_wide_integers(raw: bytes) -> None:
 
 def _fits(literal: str) -> int:
     value = int(literal)
-    if not -(2**63) <= value < 2**64:  # the value is not said: it may be a card's number
+    if not kept_exactly(value):  # the value is not said: it may be a card's number
         raise LineProblem(
             "holds an integer too large to keep exactly (over 64 bits); write it as a string"
         )

@@ -193,9 +193,15 @@ class _Refused(ValueError):
     """JSON-like text that is not JSON, or that would not come back as written."""
 
 
+def kept_exactly(value: int) -> bool:
+    """Whether orjson reads this integer back as itself (64 bits, signed or not), not as a
+    float: the one rule for answers and input lines alike."""
+    return -(2**63) <= value < 2**64
+
+
 def _exact_int(literal: str) -> int:
     value = int(literal)
-    if not -(2**63) <= value < 2**64:
+    if not kept_exactly(value):
         raise _Refused(f"an integer too large to keep exactly: {literal[:30]}")
     return value
 
