@@ -35,6 +35,8 @@ def _restored(cls: type[BatchrunError], args: tuple[Any, ...], state: dict[str, 
 class RequestError(BatchrunError):
     """A request to the endpoint did not produce a usable completion."""
 
+    asked_again: str | None = None  # as Completion.asked_again: an ask before this one
+
     def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status

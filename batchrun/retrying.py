@@ -177,6 +177,16 @@ def until_set(event: anyio.Event, sleep: Sleep) -> Sleep:
     return sleep_until_set
 
 
+class Tally:
+    """Attempts charged against --max-attempts for one request (failures in an outage are not).
+    It starts where an earlier run of the item stopped, and is read when this one stops."""
+
+    __slots__ = ("charged",)
+
+    def __init__(self, charged: int = 0) -> None:
+        self.charged = charged
+
+
 class RetryPolicy:
     def __init__(
         self,
@@ -206,11 +216,15 @@ class RetryPolicy:
         # comes at its pace, so --outage-timeout stops the job when it says
         return min(wait, self._outage_wait) if self.outage.down else wait
 
-    async def call(self, fn: Callable[[], Awaitable[T]], key: Hashable = None) -> T:
+    async def call(
+        self, fn: Callable[[], Awaitable[T]], key: Hashable = None, tally: Tally | None = None
+    ) -> T:
         """Run fn until it succeeds, fails permanently, or runs out of attempts.
 
         `key` names the item. Failures during an outage do not count against its attempts;
-        the outage watch decides when the whole job gives up instead.
+        the outage watch decides when the whole job gives up instead. `tally` counts them, from
+        what an earlier run charged (the first attempt is sent whatever it holds: a run given a
+        lower --max-attempts than the last sends one).
 
         The first attempt runs on its own: most succeed, and a tenacity loop costs more per
         call than the rest of the bookkeeping. Its failure hands over to the loop, which waits
@@ -220,11 +234,13 @@ class RetryPolicy:
         try:
             result = await fn()
         except TransientError as exc:
-            counted = 0 if self.outage.failure(exc, key) else 1
-            if counted >= self.max_attempts:
+            tally = tally or Tally()
+            if not self.outage.failure(exc, key):
+                tally.charged += 1
+            if tally.charged >= self.max_attempts:
                 raise
             await self.sleep(self._first_wait(exc, key))
-            return await self._retrying(fn, key, counted)
+            return await self._retrying(fn, key, tally)
         self.outage.success(key, sent)
         return result
 
@@ -233,11 +249,11 @@ class RetryPolicy:
         state.set_exception((type(exc), exc, exc.__traceback__))
         return self._wait(state, key)
 
-    async def _retrying(self, fn: Callable[[], Awaitable[T]], key: Hashable, counted: int) -> T:
+    async def _retrying(self, fn: Callable[[], Awaitable[T]], key: Hashable, tally: Tally) -> T:
         """The attempts after the first (tenacity numbers them from 2 on, for the backoff)."""
 
         def out_of_attempts(_state: RetryCallState) -> bool:
-            return counted >= self.max_attempts
+            return tally.charged >= self.max_attempts
 
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(TransientError),
@@ -258,7 +274,7 @@ class RetryPolicy:
                     result = await fn()
                 except TransientError as exc:
                     if not self.outage.failure(exc, key):
-                        counted += 1
+                        tally.charged += 1
                     raise
                 self.outage.success(key, sent)
                 return result

@@ -197,8 +197,7 @@ class Runner:
                     await self._run_workers(results_send)
                     side.cancel_scope.cancel()
         except BaseException:
-            # Keep the error that stopped the run; a failed release (same full disk, say) is
-            # only logged; the next resume reclaims the leases anyway.
+            # the error that stopped the run is raised; a failed release is only logged
             self._hurry()
             with anyio.CancelScope(shield=True):
                 await self._finish(quiet_errors=True)
@@ -228,6 +227,7 @@ class Runner:
                 progress=(self.stats.recorded, self.stats.requests),
                 limits=list(self._limit_log),
                 endpoints=self._endpoints(),
+                spent=self.sender.spent,
             )
         except LedgerError:
             if not quiet_errors:

@@ -22,10 +22,10 @@ from batchrun.errors import BadRequest, FatalError, NotFound, PermanentError, Re
 from batchrun.fleet import Fleet, Rerouted
 from batchrun.inputs import estimate_tokens
 from batchrun.lanes import Lane
-from batchrun.ledger import ClaimedItem, ItemResult
+from batchrun.ledger import ClaimedItem, ItemResult, Spent
 from batchrun.limiter import estimate_split
 from batchrun.progress import JobLog, input_summary
-from batchrun.retrying import RetryPolicy
+from batchrun.retrying import RetryPolicy, Tally
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.structured import AnswerPlan, Outcome, OutputRules
 
@@ -58,6 +58,9 @@ class Sender:
         self.warm_groups = True  # a group's later lines wait for its first (prefix order)
         # The run's stop: a request not yet sent by then is not sent (the runner's own event).
         self.stopping = anyio.Event()
+        # Items this run ends without a result for, and what it spent on them: stored as they
+        # go back to pending, so attempts and --max-attempts go on at the next run.
+        self.spent: list[Spent] = []
 
     async def process(self, item: ClaimedItem) -> ItemResult | None:
         """The item's final result; None when a fatal error or a stop ended the run meanwhile
@@ -97,7 +100,8 @@ class Sender:
         body = {**self.defaults, **item.body}
         plan = self.rules.plan(item.endpoint, body)
         summary = None if self.log.redact else input_summary(body)
-        attempts = tries = 0
+        attempts = tries = sent_here = 0  # sent_here: requests that went out
+        tally = Tally(item.charged)  # charged against --max-attempts, earlier runs' included
         refusal: str | None = None  # a 400 to the guided request, until unguided succeeds
         guided = False  # whether the latest request carried response_format
         fleet = self.fleet
@@ -116,6 +120,16 @@ class Sender:
                 status=status,
                 **fields,
             )
+
+        def asked_again(why: str | None) -> None:
+            """The attempt asked twice (an empty stream, a refused stream_options): the first
+            ask is a request of its own, counted and logged (not charged: one attempt)."""
+            nonlocal attempts, sent_here
+            if why is not None:
+                log_attempt("error", error=why)
+                attempts += 1
+                sent_here += 1
+                self.stats.requests += 1
 
         async def attempt() -> Completion:
             nonlocal attempts, tries, guided, lane
@@ -138,6 +152,7 @@ class Sender:
             return completion
 
         async def send(lane: Lane) -> Completion:
+            nonlocal sent_here
             body = self._body(plan.request(lane.route.guided_style), lane, item)
             request = CompletionRequest(item.endpoint, body)
             prompt, most = estimate_split(request.body)
@@ -155,6 +170,7 @@ class Sender:
                 # Counted when sent (every request sent gets its attempt line); a retry is the
                 # same request again (repairs are new requests, not retries).
                 self.stats.requests += 1
+                sent_here += 1
                 if tries > 1:
                     self.stats.retries += 1
                 sent = time.perf_counter()
@@ -162,6 +178,7 @@ class Sender:
                     completion = await lane.backend.complete(request, watch=slot)
                 except RequestError as exc:
                     slot.failed(exc)
+                    asked_again(exc.asked_again)
                     took = _ms(time.perf_counter() - sent)
                     why = {"error_kind": type(exc).__name__, "error": str(exc)}
                     log_attempt("error", http_status=exc.status, latency_ms=took, **why)
@@ -185,6 +202,7 @@ class Sender:
                 slot.done(completion, tokens)
                 if completion.completion_tokens is None:  # charged as estimates: kept as paid
                     plan.estimated = (plan.estimated[0] + prompt, plan.estimated[1] + tokens)
+            asked_again(completion.asked_again)
             log_attempt(
                 "ok",
                 http_status=completion.http_status,
@@ -204,7 +222,7 @@ class Sender:
         while True:
             tries = 0
             try:
-                completion = await self.policy.call(attempt, key=item.line)
+                completion = await self.policy.call(attempt, key=item.line, tally=tally)
             except (FatalError, _Stopped) as exc:
                 # The run stops (a refused key, an outage, a budget, Ctrl-C) during a follow-up
                 # (a repair, a longer retry): the answer already paid for stands, as when a
@@ -217,6 +235,7 @@ class Sender:
                 kept = plan.give_up(str(exc), sent=sent)
                 if kept is not None and plan.last is not None:
                     return self._result(item, attempts, plan.last, kept, plan, lane)
+                self._left(item, sent_here, tally)
                 if isinstance(exc, _Stopped):
                     raise
                 return None
@@ -225,10 +244,11 @@ class Sender:
                 # the answer already paid for is handed back all the same (no await before
                 # the worker passes it to the writer; the next one re-raises the cancel). A
                 # cancel for any other reason (an error that ends the run) goes on as it came.
-                if not self.stopping.is_set() or plan.last is None:
-                    raise
-                kept = plan.give_up("the run was stopped before the follow-up's answer came")
-                if kept is None:
+                kept = None
+                if self.stopping.is_set() and plan.last is not None:
+                    kept = plan.give_up("the run was stopped before the follow-up's answer came")
+                if kept is None or plan.last is None:
+                    self._left(item, sent_here, tally)
                     raise
                 return self._result(item, attempts, plan.last, kept, plan, lane)
             except RequestError as exc:
@@ -249,12 +269,18 @@ class Sender:
                     extra_completion_tokens=plan.estimated[1],
                     answered_by=self._named(lane),
                 )
+            tally = Tally()  # a follow-up is a request of its own
             if refusal is not None:
                 self._refused(plan, refusal)
                 refusal = None
             outcome = plan.judge(completion)
             if outcome is not None:
                 return self._result(item, attempts, completion, outcome, plan, lane)
+
+    def _left(self, item: ClaimedItem, sent: int, tally: Tally) -> None:
+        """The run ends without the item's result: what it spent, for the next run."""
+        if sent or tally.charged != item.charged:
+            self.spent.append(Spent(item.line, sent, tally.charged))
 
     def _refused(self, plan: AnswerPlan, error: str) -> None:
         """The server took the request without response_format after a 400 with it: that

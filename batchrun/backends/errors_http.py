@@ -158,6 +158,10 @@ def error_for_status(
     message = f"HTTP {status}: {server_message(body) or 'no message'}"
     if status in (401, 403):
         return AuthFailed(f"{message} (check the API key variable)", status=status)
+    if status == 402:  # out of credit: every other line would be refused the same way
+        return FatalError(
+            f"{message} (the account is out of credit; top it up, then resume)", status=status
+        )
     if status == 404:
         return NotFound(f"{message} (unknown model or path: {url})", status=status)
     if status == 429:

@@ -136,6 +136,8 @@ class OpenAICompatBackend:
                     content = await _readable_body(response)
                 finally:
                     await response.aclose()
+        except httpx.ConnectTimeout:
+            raise self._no_connection(url) from None
         except (TimeoutError, httpx.TimeoutException):
             raise RequestTimeout(f"no answer from {url} within {self.timeout:g}s") from None
         except httpx.TransportError as exc:
@@ -157,28 +159,38 @@ class OpenAICompatBackend:
 
         A bare cancel scope, not fail_after: the same deadline at half the cost per request
         (fail_after wraps it in a generator-based context manager). The raise after the block
-        runs only when the deadline cancelled it (or a transport timed out itself)."""
+        runs only when the deadline cancelled it (or a transport timed out itself).
+
+        An ask again is a request of its own: the answer or error says why the first did not
+        count (`asked_again`), so that it is counted and logged as one."""
+        again: list[str] = []
         try:
             with anyio.CancelScope(deadline=anyio.current_time() + self.timeout):
                 try:
-                    return await self._complete(request, watch)
+                    completion = await self._complete(request, watch, again)
+                    return replace(completion, asked_again=again[0]) if again else completion
                 except TimeoutError:  # a transport's own (an injected one)
                     pass
             raise RequestTimeout(f"no complete answer within {self.timeout:g}s")
         except RequestError as exc:
+            exc.asked_again = again[0] if again else None
             raise self._scrub(exc) from None
 
-    async def _complete(self, request: CompletionRequest, watch: Watch | None) -> Completion:
+    async def _complete(
+        self, request: CompletionRequest, watch: Watch | None, again: list[str]
+    ) -> Completion:
         try:
             return await self._complete_once(request, watch=watch)
         except BadRequest as exc:
             if self.stream and self.stream_options and "stream_options" in str(exc):
                 self.stream_options = False  # this server refuses it; ask without it
+                again.append("the server refused stream_options; asked again without it")
                 return await self._complete_once(request, watch=watch)
             raise
         except EmptyStream:
             # Ask once more without streaming: a server that says nothing in a stream
             # says why in a plain answer (a 400 naming the context limit, say).
+            again.append("the event stream closed without a single event; asked again unstreamed")
             try:
                 return await self._complete_once(request, stream=False)
             except ConnectionFailed:  # it closed the connection the stream came on
@@ -246,6 +258,8 @@ class OpenAICompatBackend:
                 completion = replace(completion, http_status=resp.status_code)
             rate = rate_info(resp.headers)
             return replace(completion, rate=rate) if rate else completion
+        except httpx.ConnectTimeout:
+            raise self._no_connection(str(out.url)) from None
         except httpx.TimeoutException:
             raise RequestTimeout(f"no complete answer within {self.timeout:g}s") from None
         except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
@@ -280,6 +294,10 @@ class OpenAICompatBackend:
         if not answer.events:
             raise EmptyStream("the event stream closed without a single event")
         return answer.completion()
+
+    def _no_connection(self, url: str) -> RequestTimeout:
+        """A connection not made within the connect timeout (10 s at most, not --timeout)."""
+        return RequestTimeout(f"no connection within {self._timeouts['connect']:g}s ({url})")
 
     @staticmethod
     def _describe(exc: Exception, url: str | None = None) -> str:

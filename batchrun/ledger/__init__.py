@@ -3,7 +3,7 @@
 from batchrun.ledger.chunks import Chunk, run_owner
 from batchrun.ledger.dialect import home_expanded, ledger_file
 from batchrun.ledger.engine import shown_url
-from batchrun.ledger.records import ClaimedItem, IngestReport, ItemResult, Job
+from batchrun.ledger.records import ClaimedItem, IngestReport, ItemResult, Job, Spent
 from batchrun.ledger.schema import FINAL_STATUSES, OPEN_STATUSES, STATUSES, left
 from batchrun.ledger.store import Ledger
 from batchrun.ledger.workers import Joining, Worker
@@ -19,6 +19,7 @@ __all__ = [
     "Job",
     "Joining",
     "Ledger",
+    "Spent",
     "Worker",
     "home_expanded",
     "ledger_file",

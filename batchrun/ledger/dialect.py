@@ -13,7 +13,10 @@ errors mean "the database is out of reach for now" rather than "this cannot work
   the server's is one); writers that may touch another worker's items lock the job's row first;
   claims lock the rows they take and skip rows another claim holds (FOR UPDATE SKIP LOCKED, in
   a CTE that is materialised so that its LIMIT is applied once); migrations take an advisory
-  lock; a restart of the server is an outage that a run waits out, not a failure.
+  lock; a restart of the server is an outage that a run waits out, not a failure. A run's write
+  transaction that sits idle longer than its lease (its worker frozen, its machine gone: the
+  session stays open for hours until TCP gives up) is ended by the server, so its row locks do
+  not hold up the live workers that would take its items.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ BUSY_TIMEOUT_MS = 30_000
 WRITE_OPTION = "batchrun_write"  # execution option marking a write transaction
 HURRY_OPTION = "batchrun_hurry"  # a write of a run told to stop now: a short wait for the lock
 HURRIED_BUSY_MS = 1000
+IDLE_OPTION = "batchrun_idle_ms"  # a run's write: how long the server lets it sit idle (its lease)
 MIGRATION_LOCK = 0x62617463  # PostgreSQL advisory lock key for migrations ("batc")
 # SQLSTATEs of a server going away or not there yet: connection exceptions (class 08),
 # admin_shutdown, crash_shutdown, cannot_connect_now (starting up)
@@ -161,9 +165,11 @@ class Postgres(Dialect):
 
     def engine(self, url: str) -> Engine:
         try:  # pre_ping: a connection that a server restart closed is replaced, not used
-            return create_engine(url, pool_pre_ping=True)
+            engine = create_engine(url, pool_pre_ping=True)
         except ImportError as exc:
             raise LedgerError(f"the ledger URL needs a database driver: {exc}") from None
+        event.listen(engine, "begin", _postgres_begin)
+        return engine
 
     def now(self, conn: Connection) -> float:
         clock = conn.execute(text("SELECT extract(epoch from clock_timestamp())")).scalar()
@@ -246,6 +252,12 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
         cursor.execute("PRAGMA foreign_keys = ON")
     finally:
         cursor.close()
+
+
+def _postgres_begin(conn: Any) -> None:
+    idle_ms = conn.get_execution_options().get(IDLE_OPTION)
+    if idle_ms:  # this transaction's only (SET LOCAL): a load's gaps are its input's
+        conn.exec_driver_sql(f"SET LOCAL idle_in_transaction_session_timeout = {int(idle_ms)}")
 
 
 def _sqlite_begin(conn: Any) -> None:

@@ -131,6 +131,10 @@ def _v11_long_ids(conn: Connection) -> None:
         conn.execute(text(f"DROP INDEX IF EXISTS {items_id_unique.name}"))
 
 
+def _v12_charged_attempts(conn: Connection) -> None:
+    _add_counts(conn, ("charged",))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "initial jobs and items", _v1_initial),
     (2, "jobs.limit_history for --concurrency auto", _v2_limit_history),
@@ -147,6 +151,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (9, "workers.lease: each worker judged by its own", _v9_worker_leases),
     (10, "jobs.collected_at: a job gc kept only answers of", _v10_collected_jobs),
     (11, "item ids unique by their md5 where index entries are limited", _v11_long_ids),
+    (12, "items.charged: --max-attempts goes on across a stopped run", _v12_charged_attempts),
 ]
 
 

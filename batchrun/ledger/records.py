@@ -63,6 +63,18 @@ class ClaimedItem:
     # A hosted batch's answer that needs a follow-up: text, finish_reason, prompt_tokens,
     # completion_tokens.
     previous: dict[str, Any] | None = None
+    charged: int = 0  # attempts charged against --max-attempts in runs that ended without it
+
+
+@dataclass(frozen=True, slots=True)
+class Spent:
+    """What a run spent on an item it ends without a result for (a stop, an abort): requests
+    sent, and attempts charged against --max-attempts (outage failures are not). Stored as
+    the item goes back to pending, so the next run's count goes on from there."""
+
+    line: int
+    requests: int
+    charged: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,10 +7,11 @@ from operator import attrgetter
 from typing import Any
 
 import orjson
-from sqlalchemy import Row, RowMapping, Update, bindparam, literal_column, null, update
+from sqlalchemy import Row, RowMapping, Update, bindparam, case, func, literal_column, null, update
 
 from batchrun.ledger.records import ClaimedItem, ItemResult, Job, StoredItem
 from batchrun.ledger.schema import items
+from batchrun.ledger.stats import OWN_ANSWER
 from batchrun.prefixes import LINE_BITS
 
 
@@ -76,6 +77,36 @@ def recording(*, batched: bool) -> tuple[Update, tuple[str, ...]]:
     return stmt, names
 
 
+def requeueing(job: str, statuses: tuple[str, ...], now: float) -> Update:
+    """`retry`'s statement: the job's items of `statuses` back to pending, with a fresh
+    --max-attempts. The tokens their answers used stay paid for (moved to the extra counts,
+    which budgets and `status` count)."""
+    return (
+        update(items)
+        .where(items.c.job == job, items.c.status.in_(statuses))
+        .values(
+            status="pending",
+            charged=0,
+            error=None,
+            answer_spec=None,  # a source no more (reuse.NOT_A_SOURCE)
+            output=None,
+            parsed=None,
+            finish_reason=None,
+            extra_prompt_tokens=items.c.extra_prompt_tokens + _own(items.c.prompt_tokens),
+            extra_completion_tokens=items.c.extra_completion_tokens
+            + _own(items.c.completion_tokens),
+            prompt_tokens=None,
+            completion_tokens=None,
+            updated_at=now,
+        )
+    )
+
+
+def _own(tokens: Any) -> Any:
+    """An item's tokens if its own request paid them (not copied from another line's answer)."""
+    return case((OWN_ANSWER, func.coalesce(tokens, 0)), else_=0)
+
+
 def result_row(
     head: tuple[Any, ...], result: ItemResult, answer_spec: str | None
 ) -> tuple[Any, ...]:
@@ -105,15 +136,25 @@ CLAIMED_COLUMNS = (
     items.c.attempts,
     items.c.sched,
     items.c.followup,
+    items.c.charged,
 )
 
 
 def claimed_of(row: Row[Any]) -> ClaimedItem:
-    """A claimed row (line, item_id, endpoint, body, digest, attempts, sched), its body
-    parsed and its prefix group read from its place in the order."""
-    line, item_id, endpoint, body, digest, attempts, sched, followup = tuple(row)
+    """A claimed row (CLAIMED_COLUMNS), its body parsed and its prefix group read from its
+    place in the order."""
+    line, item_id, endpoint, body, digest, attempts, sched, followup, charged = tuple(row)
     group = sched >> LINE_BITS  # its group's first line (its own line, alone)
     previous = orjson.loads(followup) if followup else None
     return ClaimedItem(
-        line, item_id, endpoint, orjson.loads(body), digest, attempts, group, sched, previous
+        line,
+        item_id,
+        endpoint,
+        orjson.loads(body),
+        digest,
+        attempts,
+        group,
+        sched,
+        previous,
+        charged,
     )

@@ -122,6 +122,9 @@ items = Table(
     Column("answered_by", String(200)),
     Column("sched", BigInteger),
     Column("chunk", Integer),  # the hosted batch it went out in (migration 7)
+    # Attempts charged against --max-attempts before a run ended without the item's result (a
+    # stop, an abort): the next run goes on from there; `retry` starts it again (migration 12).
+    Column("charged", Integer, nullable=False, server_default="0"),
     # A batch's answer that needs a follow-up (a repair, a longer retry), JSON: the online
     # run judges it again and sends the follow-up, not the whole request (migration 7).
     Column("followup", Text),

@@ -10,13 +10,13 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Connection, Engine, case, func, select, update
+from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.exc import IntegrityError
 
 from batchrun.errors import EmptyInput, InputError, JobExists
 from batchrun.ledger import gc, reuse, stats, workers
 from batchrun.ledger.chunks import ChunkStore
-from batchrun.ledger.dialect import HURRY_OPTION, WRITE_OPTION, dialect_of
+from batchrun.ledger.dialect import HURRY_OPTION, IDLE_OPTION, WRITE_OPTION, dialect_of
 from batchrun.ledger.driver import Many
 from batchrun.ledger.engine import storage_errors
 from batchrun.ledger.gc import Collected
@@ -30,9 +30,18 @@ from batchrun.ledger.records import (
     ItemResult,
     Job,
     LimitMove,
+    Spent,
     StoredItem,
 )
-from batchrun.ledger.rows import STORED_COLUMNS, as_json, job_of, recording, result_row, stored_of
+from batchrun.ledger.rows import (
+    STORED_COLUMNS,
+    as_json,
+    job_of,
+    recording,
+    requeueing,
+    result_row,
+    stored_of,
+)
 from batchrun.ledger.schema import items, jobs
 from batchrun.ledger.workers import Joining, Worker
 
@@ -45,6 +54,7 @@ class Ledger:
         self.chunks = ChunkStore(self)  # hosted Batch API batches (chunks.py)
         self._recorders: dict[bool, Many] = {}  # record's statement, by `batched`
         self.hurried = False  # a run told to stop now: its writes wait 1 s for SQLite's lock
+        self.idle_ms = 0  # while a run is joined: its lease, the longest a write may sit idle
 
     def close(self) -> None:
         self.engine.dispose()
@@ -52,8 +62,9 @@ class Ledger:
     @contextmanager
     def _write(self, action: str) -> Iterator[Connection]:
         """A write transaction: BEGIN IMMEDIATE on SQLite, so it holds the lock from the start."""
+        options = {WRITE_OPTION: True, HURRY_OPTION: self.hurried, IDLE_OPTION: self.idle_ms}
         with storage_errors(action, self.dialect), self.engine.connect() as conn:
-            conn.execution_options(**{WRITE_OPTION: True, HURRY_OPTION: self.hurried})
+            conn.execution_options(**options)
             with conn.begin():
                 yield conn
 
@@ -153,6 +164,7 @@ class Ledger:
         items that dead workers held go back to pending: how many. While other workers run
         the job, `spec` must agree with the job's on the keys in `same` (the options that
         change an answer), or OptionError says which differ, and nothing changes."""
+        self.idle_ms = max(1000, int(ttl * 1000))  # the run's writes from here on (dialect.py)
         with self._write("joining the job") as conn:
             joining, stored = Joining(spec or {}, same, ttl), spec is not None
             return workers.join_as(conn, name, worker, joining, store=stored, reclaim_dead=True)
@@ -190,8 +202,10 @@ class Ledger:
         progress: tuple[int, int] = (0, 0),
         limits: list[LimitMove] | None = None,
         endpoints: dict[str, Any] | None = None,
+        spent: list[Spent] | None = None,
     ) -> int:
-        """The worker leaves: its unfinished claims go back to pending. Returns how many."""
+        """The worker leaves: its unfinished claims go back to pending, `spent` kept; how many."""
+        self.idle_ms = 0  # the run is over: a load's gaps are its input's
         with self._write("releasing the job") as conn:
             workers.lock_job(conn, name)
             if limits:
@@ -199,7 +213,7 @@ class Ledger:
                     update(jobs).where(jobs.c.name == name).values(limit_history=as_json(limits))
                 )
             workers.note_endpoints(conn, worker, endpoints)
-            return workers.leave(conn, name, worker, progress=progress)
+            return workers.leave(conn, name, worker, progress=progress, spent=spent)
 
     def put_back_strays(self, name: str, worker: str, held: set[int]) -> int:
         """Items leased to `worker` beyond `held` (the lines it knows it claimed) go back to
@@ -346,24 +360,7 @@ class Ledger:
         tokens their answers used stay paid for (budgets and `status` count them)."""
         now = time.time()
         with self._write("re-queueing items") as conn:
-            count = conn.execute(
-                update(items)
-                .where(items.c.job == name, items.c.status.in_(statuses))
-                .values(
-                    status="pending",
-                    error=None,
-                    answer_spec=None,  # a source no more (reuse.NOT_A_SOURCE)
-                    output=None,
-                    parsed=None,
-                    finish_reason=None,
-                    extra_prompt_tokens=items.c.extra_prompt_tokens + _own(items.c.prompt_tokens),
-                    extra_completion_tokens=items.c.extra_completion_tokens
-                    + _own(items.c.completion_tokens),
-                    prompt_tokens=None,
-                    completion_tokens=None,
-                    updated_at=now,
-                )
-            ).rowcount
+            count = conn.execute(requeueing(name, statuses, now)).rowcount
             if count:
                 conn.execute(
                     update(jobs).where(jobs.c.name == name).values(finished_at=None, updated_at=now)
@@ -410,8 +407,3 @@ class Ledger:
         """Token totals, latency percentiles and the commonest errors, for `status`."""
         with self._read("reading stats") as conn:
             return stats.item_stats(conn, name)
-
-
-def _own(tokens: Any) -> Any:
-    """An item's tokens if its own request paid them (not copied from another line's answer)."""
-    return case((stats.OWN_ANSWER, func.coalesce(tokens, 0)), else_=0)

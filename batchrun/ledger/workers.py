@@ -36,7 +36,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from batchrun.errors import OptionError
 from batchrun.ledger.dialect import dialect_of
-from batchrun.ledger.records import ClaimedItem
+from batchrun.ledger.records import ClaimedItem, Spent
 from batchrun.ledger.rows import CLAIMED_COLUMNS, as_json, claimed_of
 from batchrun.ledger.schema import items, jobs, workers
 
@@ -197,10 +197,27 @@ def note_endpoints(conn: Connection, worker: str, endpoints: dict[str, Any] | No
         conn.execute(update(workers).where(workers.c.id == worker).values(endpoints=value))
 
 
-def leave(conn: Connection, name: str, worker: str, *, progress: tuple[int, int]) -> int:
-    """The worker stops: its unfinished claims go back to pending; how many."""
+def leave(
+    conn: Connection,
+    name: str,
+    worker: str,
+    *,
+    progress: tuple[int, int],
+    spent: list[Spent] | None = None,
+) -> int:
+    """The worker stops: its unfinished claims go back to pending, with what it `spent` on
+    them (requests sent, attempts charged); how many."""
     now = db_now(conn)
     recorded, requests = progress
+    if spent:
+        mine = (items.c.job == name, items.c.owner == worker, items.c.status == "running")
+        stmt = (
+            update(items)
+            .where(*mine, items.c.line == bindparam("b_line"))
+            .values(attempts=items.c.attempts + bindparam("b_sent"), charged=bindparam("b_charged"))
+        )
+        rows = [{"b_line": s.line, "b_sent": s.requests, "b_charged": s.charged} for s in spent]
+        conn.execute(stmt, rows)
     back = conn.execute(
         update(items)
         .where(items.c.job == name, items.c.owner == worker, items.c.status == "running")

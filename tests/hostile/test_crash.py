@@ -159,3 +159,84 @@ def test_two_workers_waiting_out_a_busy_ledger_do_not_take_each_others_answered_
     log = [json.loads(line) for line in (cli.home / "logs" / "pair.log").open()]
     taken = sum(e["items"] for e in log if e["event"] == "reclaimed")
     assert (stats["requests"], stats["resent_after_success"], taken) == (600, 0, 0), stats
+
+
+def test_postgres_a_worker_whose_machine_dies_mid_transaction_does_not_stall_the_others(
+    cli: CLI, sim_server: Callable[..., str], postgres_server: str, tmp_path: Path
+) -> None:
+    """A worker's machine that dies (power cut, network gone) mid-transaction leaves its
+    PostgreSQL session open, 'idle in transaction', holding row locks, until the server's TCP
+    keepalive gives up (over two hours by default). The worker is modelled by a process frozen
+    with SIGSTOP at the moment the database shows it idle inside a transaction that wrote rows
+    (a group commit, a heartbeat...). Its --lease is 3 s, so the live worker should take its
+    items and finish. It hung instead, for as long as the session stays open: in the reclaim's
+    UPDATE of the dead worker's items (row locks), or at the job's row lock that heartbeats,
+    joins and the release take, with its ledger thread (claims, commits) queued behind; seen
+    both with items left and with all 600 done (the job never ends, no results file). There is
+    no lock_timeout, no idle_in_transaction_session_timeout, no TCP keepalive. Now a run's
+    write transactions may sit idle no longer than its lease: the server ends the frozen one."""
+    import psycopg
+
+    from tests.postgres import fresh_database
+
+    url = sim_server("--ttft-ms", "20", "--tpot-ms", "2")
+    inp = tmp_path / "gone.jsonl"
+    write_prompts(inp, 600)
+    with fresh_database(postgres_server) as db:
+        ledger = ("--ledger", db)
+        assert cli.run(*ledger, "submit", str(inp), "--no-run", "--quiet").returncode == 0
+
+        def worker(name: str) -> subprocess.Popen[str]:
+            where = f"{db}?application_name={name}"  # to find its session from outside
+            return cli.start(
+                *("--ledger", where, "resume", "gone", "--base-url", url, "--model", "sim-1"),
+                *("--concurrency", "8", "--lease", "3", "--quiet"),
+            )
+
+        plain = db.replace("postgresql+psycopg://", "postgresql://")
+        victim = worker("victim")
+        live: subprocess.Popen[str] | None = None
+        try:
+            with psycopg.connect(plain, autocommit=True) as outside:
+
+                def items() -> dict[str, int]:
+                    rows = outside.execute(
+                        "SELECT status, count(*) FROM items WHERE job = 'gone' GROUP BY status"
+                    ).fetchall()
+                    return {str(status): int(n) for status, n in rows}
+
+                def in_a_writing_transaction() -> bool:
+                    found = outside.execute(
+                        "SELECT 1 FROM pg_stat_activity WHERE application_name = 'victim' "
+                        "AND state LIKE 'idle in transaction%' AND backend_xid IS NOT NULL"
+                    ).fetchall()
+                    return bool(found)
+
+                while items().get("done", 0) < 30:  # mid-run
+                    assert victim.poll() is None, "the victim ended early"
+                    time.sleep(0.05)
+                deadline = time.monotonic() + 60
+                while True:  # freeze it; keep it frozen once caught inside a transaction
+                    assert victim.poll() is None, "the victim ended before it was caught"
+                    assert time.monotonic() < deadline, "never caught inside a transaction"
+                    victim.send_signal(signal.SIGSTOP)
+                    time.sleep(0.05)
+                    if in_a_writing_transaction():
+                        break
+                    victim.send_signal(signal.SIGCONT)
+                    time.sleep(0.01)
+                live = worker("live")
+                try:
+                    live.wait(timeout=45)  # its lease is 3 s; 45 s is far past it
+                except subprocess.TimeoutExpired:
+                    counts = items()
+                    pytest.fail(
+                        "the live worker (lease 3 s) has not ended 45 s after joining, stuck "
+                        f"behind the frozen worker's open transaction; items: {counts}"
+                    )
+                assert live.returncode == 0, live.stderr.read() if live.stderr else ""
+        finally:
+            for proc in (victim, live):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=10)

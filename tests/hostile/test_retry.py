@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from batchrun import jobs
+from batchrun import runner as runner_module
 from batchrun.config import resolve
 from batchrun.jobs import Home
 from batchrun.ledger import Ledger
@@ -50,6 +51,176 @@ async def run_job(
 def attempt_lines(tmp_path: Path, line: int) -> list[dict[str, Any]]:
     said = [json.loads(x) for x in (tmp_path / "logs" / "j.log").read_text().splitlines()]
     return [e for e in said if e.get("line") == line and "attempt" in e]
+
+
+def capture_runners(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    made: list[Any] = []
+    real_init = runner_module.Runner.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(runner_module.Runner, "__init__", init)
+    return made
+
+
+def stopped_during_second_attempt(made: list[Any]) -> ScriptedTransport:
+    """Line 2 fails with a 500 every time; the first run is stopped (Ctrl-C) while its second
+    request for it is on the wire."""
+
+    def broken(request: httpx.Request, call: int) -> httpx.Response | None:
+        if POISON in request.content:
+            if call == 2 and len(made) == 1:
+                made[0].request_stop()
+            return httpx.Response(500, json={"error": {"message": "kaput"}})
+        return None
+
+    return ScriptedTransport(broken)
+
+
+# --- attempts across a stop and a resume ------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_attempts_sent_before_a_stop_still_count_after_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # README: `attempts` "counts every request sent for the item", and after --max-attempts (3
+    # here) the item is failed. Before the fix the two requests of the stopped run were
+    # forgotten: the resume sent 3 more (5 in all) and the result said `attempts: 3`.
+    made = capture_runners(monkeypatch)
+    transport = stopped_during_second_attempt(made)
+    ledger, stats = await run_job(tmp_path, transport, create=True)
+    assert stats.interrupted
+    assert rows(ledger)[1]["status"] == "pending"
+    ledger, stats = await run_job(tmp_path, transport, create=False)
+    sent = transport.calls["prompt number 1"]
+    poison = rows(ledger)[1]
+    assert poison["status"] == "failed"
+    assert poison["attempts"] == sent, f"{sent} requests sent, attempts says {poison['attempts']}"
+    assert sent == 3, f"--max-attempts 3, but {sent} requests were sent for the line"
+
+
+@pytest.mark.anyio
+async def test_attempt_numbers_in_the_log_go_on_after_a_stop_and_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The log's attempt number is how a user reads what happened to a line. Before the fix
+    # the resumed run numbered its requests from 1 again.
+    made = capture_runners(monkeypatch)
+    transport = stopped_during_second_attempt(made)
+    await run_job(tmp_path, transport, create=True)
+    await run_job(tmp_path, transport, create=False)
+    numbers = [e["attempt"] for e in attempt_lines(tmp_path, 2)]
+    assert numbers == [1, 2, 3]  # one line per request sent, numbered across both runs
+
+
+@pytest.mark.anyio
+async def test_retry_gives_a_stopped_and_failed_line_its_attempts_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `batchrun retry` puts a failed line back with a fresh --max-attempts; its `attempts`
+    # still counts every request ever sent for it.
+    made = capture_runners(monkeypatch)
+    transport = stopped_during_second_attempt(made)
+    await run_job(tmp_path, transport, create=True)
+    ledger, _stats = await run_job(tmp_path, transport, create=False)
+    assert rows(ledger)[1]["status"] == "failed"
+    assert ledger.requeue("j") == 1
+    ledger, _stats = await run_job(tmp_path, transport, create=False)
+    assert transport.calls["prompt number 1"] == 6
+    assert (rows(ledger)[1]["status"], rows(ledger)[1]["attempts"]) == ("failed", 6)
+
+
+@pytest.mark.anyio
+async def test_an_outage_before_a_stop_costs_the_lines_no_attempts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Failures while the endpoint is down for everyone cost no attempts (README, "Outages");
+    # carried across a stop they still cost none: the resumed run has all 3 for each line.
+    made = capture_runners(monkeypatch)
+    down = {"on": True}
+
+    def outage(request: httpx.Request, call: int) -> httpx.Response | None:
+        if down["on"]:
+            if sum(transport.calls.values()) >= 8 and len(made) == 1:
+                made[0].request_stop()
+            return httpx.Response(503, text="down")
+        return httpx.Response(500, text="kaput") if POISON in request.content else None
+
+    transport = ScriptedTransport(outage)
+    ledger, stats = await run_job(tmp_path, transport, create=True, concurrency=2)
+    assert stats.interrupted and stats.aborted is None
+    before = transport.calls["prompt number 1"]
+    down["on"] = False
+    ledger, _stats = await run_job(tmp_path, transport, create=False, concurrency=2)
+    poison = rows(ledger)[1]
+    assert poison["status"] == "failed"
+    assert transport.calls["prompt number 1"] - before == 3  # all of --max-attempts again
+    assert poison["attempts"] == transport.calls["prompt number 1"]
+
+
+# --- the asks again inside one attempt ---------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_the_plain_ask_after_an_empty_stream_is_counted_and_logged(tmp_path: Path) -> None:
+    # llama-cpp-python answers a prompt it cannot take with an empty stream; batchrun asks
+    # again unstreamed. That is a second request, paid for and seen by the server: before the
+    # fix `attempts` said 1 and the log had one attempt line for the two.
+    def empty_stream(request: httpx.Request, _call: int) -> httpx.Response | None:
+        if POISON in request.content and json.loads(request.content).get("stream"):
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b"")
+        return None
+
+    transport = ScriptedTransport(empty_stream)
+    ledger, stats = await run_job(tmp_path, transport, create=True)
+    assert transport.calls["prompt number 1"] == 2  # the empty stream, then the plain ask
+    line = rows(ledger)[1]
+    assert (line["status"], line["attempts"]) == ("done", 2)
+    logged = attempt_lines(tmp_path, 2)
+    assert [(e["attempt"], e["status"]) for e in logged] == [(1, "error"), (2, "ok")]
+    assert "without a single event" in logged[0]["error"]
+    assert stats.requests == 4 and stats.retries == 0  # 3 lines, one of them asked twice
+
+
+@pytest.mark.anyio
+async def test_a_plain_ask_that_fails_counts_both_requests(tmp_path: Path) -> None:
+    # The plain ask says why the stream was empty: a 400 naming the context limit. The line
+    # fails at once with the server's words, after 2 requests (both counted).
+    def too_long(request: httpx.Request, _call: int) -> httpx.Response | None:
+        if POISON not in request.content:
+            return None
+        if json.loads(request.content).get("stream"):
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b"")
+        return httpx.Response(400, json={"error": {"message": "exceeds the context window"}})
+
+    transport = ScriptedTransport(too_long)
+    ledger, _stats = await run_job(tmp_path, transport, create=True)
+    line = rows(ledger)[1]
+    assert (line["status"], line["attempts"]) == ("failed", 2)
+    assert "context window" in line["error"]
+    assert [e["attempt"] for e in attempt_lines(tmp_path, 2)] == [1, 2]
+
+
+@pytest.mark.anyio
+async def test_the_ask_without_a_refused_stream_options_is_counted(tmp_path: Path) -> None:
+    refused: list[int] = []
+
+    def no_stream_options(request: httpx.Request, _call: int) -> httpx.Response | None:
+        if "stream_options" in json.loads(request.content):
+            refused.append(1)
+            message = "Unrecognized request argument supplied: stream_options"
+            return httpx.Response(400, json={"error": {"message": message}})
+        return None
+
+    transport = ScriptedTransport(no_stream_options)
+    ledger, _stats = await run_job(tmp_path, transport, create=True, n=2)
+    assert len(refused) == 1  # refused once, then never asked for again this run
+    first = rows(ledger)[0]
+    assert (first["status"], first["attempts"]) == ("done", 2)
+    assert rows(ledger)[1]["attempts"] == 1
 
 
 # --- what a failed line keeps as its error ----------------------------------------------------

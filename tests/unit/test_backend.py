@@ -290,6 +290,16 @@ async def test_auth_failed(status: int) -> None:
 
 
 @pytest.mark.anyio
+async def test_402_out_of_credit_stops_the_job() -> None:
+    # OpenRouter's answer to an account with no credit left: every other line would meet it
+    # too, so it stops the job (exit 3) rather than failing the lines one by one.
+    exc = await fails_with(mock_backend(error_json(402, "Insufficient credits")), chat())
+    assert isinstance(exc, FatalError)
+    assert exc.status == 402
+    assert "Insufficient credits" in str(exc) and "out of credit" in str(exc)
+
+
+@pytest.mark.anyio
 async def test_404_is_not_found() -> None:
     exc = await fails_with(mock_backend(error_json(404, "model does not exist")), chat())
     assert isinstance(exc, NotFound)
@@ -538,6 +548,23 @@ async def test_read_timeout_is_request_timeout() -> None:
     exc = await fails_with(mock_backend(handler), chat())
     assert isinstance(exc, RequestTimeout)
     assert isinstance(exc, TransientError)
+
+
+@pytest.mark.anyio
+async def test_a_connect_timeout_says_no_connection_and_its_own_limit() -> None:
+    # The connection gets 10 s of --timeout; the error said "no complete answer within 120s".
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectTimeout("timed out")
+
+    exc = await fails_with(mock_backend(handler, timeout=120), chat())
+    assert isinstance(exc, RequestTimeout)
+    assert str(exc) == f"no connection within 10s ({BASE}/chat/completions)"
+    backend = mock_backend(handler, timeout=4)
+    try:
+        with pytest.raises(RequestTimeout, match=r"^no connection within 4s \("):
+            await backend.list_models()
+    finally:
+        await backend.aclose()
 
 
 @pytest.mark.anyio

@@ -21,7 +21,7 @@ from batchrun.errors import (
     StreamCut,
     TransientError,
 )
-from batchrun.retrying import MAX_RETRY_AFTER, OutageWatch, RetryPolicy
+from batchrun.retrying import MAX_RETRY_AFTER, OutageWatch, RetryPolicy, Tally
 from tests.fakes import FakeTime
 
 
@@ -77,6 +77,22 @@ async def test_transient_errors_retried_until_success(error: TransientError) -> 
     assert await policy.call(fn) == "ok"
     assert fn.calls == 4
     assert len(clock.sleeps) == 3
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("charged", "sent"), [(0, 3), (2, 1), (3, 1), (7, 1)])
+async def test_an_earlier_runs_charged_attempts_count_and_the_first_is_always_sent(
+    charged: int, sent: int
+) -> None:
+    # A stopped run's attempts go on at resume; a line that used them all (a lower
+    # --max-attempts given at resume) is sent once more, not never.
+    policy, _watch, _clock = make_policy(max_attempts=3)
+    fn = Script([], forever=lambda: Overloaded("HTTP 500", status=500))
+    tally = Tally(charged)
+    with pytest.raises(Overloaded):
+        await policy.call(fn, tally=tally)
+    assert fn.calls == sent
+    assert tally.charged == charged + sent
 
 
 @pytest.mark.anyio
