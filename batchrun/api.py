@@ -225,7 +225,11 @@ def export(
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise UsageError(f"path must be a path or a string, not {type(path).__name__}")
         target = Path(path).expanduser() if path is not None else where.output_path(found.name, fmt)
+        complete = left(led.counts(found.name)) == 0
         verbs.export(led, target, found.name, verbs.job_spec(found), fmt)
+        if not complete and left(led.counts(found.name)) == 0:  # a run finished meanwhile
+            # and wrote the job's results file, which ours, read before, may have replaced
+            verbs.export(led, target, found.name, verbs.job_spec(found), fmt)
     return target
 
 

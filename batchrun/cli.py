@@ -277,7 +277,8 @@ def submit(
         call = functools.partial(
             api.submit_async, input_path, job=job_name, run=not no_run, spec=spec_file
         )
-        listen = {"on_progress": bar, "on_message": None if quiet else bar.say}
+        said = bar.say if no_run or not quiet else None  # --no-run's answer is what it says
+        listen = {"on_progress": bar, "on_message": said}
         report = ran(call, {**listen, **ctx.where, **_run_options(options)})
     if not no_run:
         finish(report, quiet=quiet)
@@ -394,6 +395,7 @@ def gc(ctx: Context, older_than: str, everything: bool) -> None:
 @click.option("--model", help="Model to check [default: the first one the server lists].")
 @click.option("--api-key-env", help="NAME of the environment variable holding the API key.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Seconds [120].")
+@click.option("--stream/--no-stream", default=None, help="As the job will run [streamed].")
 @errors_to_exit_codes
 def doctor(**options: Any) -> None:
     """Probe an endpoint: reachable, key, model, chat/completions, streaming, usage, JSON mode."""

@@ -42,7 +42,7 @@ def summary_line(report: JobReport) -> str:
     name, counts, stats = report.job, report.counts, report.stats
     parts = [f"job {name}:"] + [
         f"{counts[s]} {s}"
-        for s in (*FINAL_STATUSES, "pending", "batched")
+        for s in (*FINAL_STATUSES, "pending", "running", "batched")  # running: other workers
         if counts[s] or s == "done"
     ]
     text = " ".join(parts[:2]) + (", " + ", ".join(parts[2:]) if len(parts) > 2 else "")
@@ -77,7 +77,7 @@ def summary_line(report: JobReport) -> str:
         text += f" | ABORTED: {stats.aborted}"
     elif stats.interrupted and counts["pending"]:
         text += " | interrupted; run `batchrun resume " + name + "` to continue"
-    elif counts["pending"] or counts["batched"]:  # a batch cancelled, expired or still running
+    elif open_items(counts):  # other workers' items, a batch cancelled, expired or still running
         text += f" | not finished: `batchrun resume {name}` sends or collects the rest"
     if report.output is not None:
         text += f" | results: {report.output}"

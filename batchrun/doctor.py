@@ -119,7 +119,12 @@ async def _models(backend: Backend, spec: RunSpec, checks: list[Check]) -> list[
         return None
     checks.append(Check("reachable", True, shown_endpoint(spec.base_url), essential=True))
     key = spec.api_key_env
-    detail = f"accepted ({key})" if spec.api_key() else "none sent (none needed here)"
+    if spec.api_key():
+        detail = f"accepted ({key})"
+    elif key:  # named, but not set here: the server answered without it
+        detail = f"none sent ({key} is not set; none needed here)"
+    else:
+        detail = "none sent (none needed here)"
     checks.append(Check("API key", True, detail, essential=True))
     return models
 

@@ -11,7 +11,7 @@ from batchrun.api import _home, _ledger
 from batchrun.errors import UsageError
 from batchrun.outputs import FORMATS
 from batchrun.reuse import seconds
-from batchrun.row_input import PathLike
+from batchrun.row_input import ROWS_FILE, PathLike
 from batchrun.run_state import LEASE_TTL
 
 
@@ -38,7 +38,7 @@ def gc(
     if isinstance(older_than, timedelta):
         age = older_than.total_seconds()
     elif isinstance(older_than, str):
-        age = seconds(older_than, key="older_than")
+        age = seconds(older_than, key="older_than", unit=True)
     else:  # a bare 30: days or seconds? Asking is cheaper than a wrong guess that deletes
         kind = type(older_than).__name__
         raise UsageError(f"older_than must be a duration like '30d' or a timedelta, not {kind}")
@@ -63,6 +63,7 @@ def gc(
 
 def _rows_files(paths: set[str], folder: Path) -> set[Path]:
     """Of the input files `paths` that no job left to run reads, those batchrun wrote for rows
-    handed over from Python (`inputs/rows-*.jsonl`): a user's own files are never touched."""
+    handed over from Python (`inputs/rows-<16 hex digits>.jsonl`, as row_input names them): a
+    user's own files are never touched, even one named `rows-2026-11.jsonl`."""
     folder = folder.resolve()
-    return {p for p in map(Path, paths) if p.parent == folder and p.name.startswith("rows-")}
+    return {p for p in map(Path, paths) if p.parent == folder and ROWS_FILE.fullmatch(p.name)}

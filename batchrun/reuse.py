@@ -68,9 +68,15 @@ def options(stored: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in stored.items() if key != SCHEMA_DIGEST}
 
 
-def seconds(text: str, *, key: str) -> float:
-    """'7d', '12h', '30m', '90s' or a number of seconds, as seconds."""
+def seconds(text: str, *, key: str, unit: bool = False) -> float:
+    """'7d', '12h', '30m', '90s' or a number of seconds (not with `unit`: where a wrong guess
+    deletes, a bare 30 could mean days), as seconds."""
     found = AGE.fullmatch(text)
+    if found and unit and not found.group(2):
+        raise OptionError(
+            f"{{{key}}} needs a unit, s, m, h, d or w (30d, 12h): a bare "
+            f"{OptionError.quoted(text)} could mean days or seconds"
+        )
     if not found:
         raise OptionError(
             f"{{{key}}} must be a number with s, m, h, d or w (7d, 12h), "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -20,6 +21,7 @@ from batchrun.jobs import Home
 from batchrun.ledger import Job, Ledger
 
 PathLike = str | os.PathLike[str]
+ROWS_FILE = re.compile(r"rows-[0-9a-f]{16}\.jsonl")  # what rows are written to, in inputs/
 
 # Options that change what is asked, or of whom: rows submitted again with other values are
 # another job (`endpoints` names each endpoint's model; the simulator's options its answers).

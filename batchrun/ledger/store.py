@@ -42,7 +42,7 @@ from batchrun.ledger.rows import (
     result_row,
     stored_of,
 )
-from batchrun.ledger.schema import items, jobs
+from batchrun.ledger.schema import OPEN_STATUSES, items, jobs
 from batchrun.ledger.workers import Joining, Worker
 
 
@@ -87,13 +87,18 @@ class Ledger:
         return [job_of(r) for r in rows]
 
     def mark_finished(self, name: str, finished: bool) -> bool:
-        """Mark the job finished (or not); True when this call finished it, so that of several
-        workers ending together one writes the results file."""
+        """Mark the job finished (or not); True when this call finished it. Not while an item
+        is open: a `retry` since the caller looked has put items back, and they are to come."""
         now = time.time()
         with self._write("updating a job") as conn:
             if not finished:
                 return False  # a job is unfinished again only when items are requeued
-            first = update(jobs).where(jobs.c.name == name, jobs.c.finished_at.is_(None))
+            open_item = select(items.c.line).where(
+                items.c.job == name, items.c.status.in_(OPEN_STATUSES)
+            )
+            first = update(jobs).where(
+                jobs.c.name == name, jobs.c.finished_at.is_(None), ~open_item.exists()
+            )
             return bool(conn.execute(first.values(finished_at=now, updated_at=now)).rowcount)
 
     def create_job(

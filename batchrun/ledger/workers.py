@@ -34,7 +34,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.elements import ColumnElement
 
-from batchrun.errors import OptionError
+from batchrun.errors import OptionError, UsageError
 from batchrun.ledger.dialect import dialect_of
 from batchrun.ledger.records import ClaimedItem, Spent
 from batchrun.ledger.rows import CLAIMED_COLUMNS, as_json, claimed_of
@@ -91,8 +91,15 @@ def lock_job(conn: Connection, name: str) -> None:
 
 def join(conn: Connection, name: str, worker: str, *, ttl: float, reclaim_dead: bool = True) -> int:
     """Add `worker` to the job and reclaim what dead workers left; how many items went back
-    (none without `reclaim_dead`: the runner's own join, later, does it and says so)."""
+    (none without `reclaim_dead`: the runner's own join, later, does it and says so). A job
+    `gc` collected since the caller looked is refused: its rest and results are gone."""
     lock_job(conn, name)
+    kept = conn.execute(select(jobs.c.collected_at).where(jobs.c.name == name)).first()
+    if kept is None or kept[0] is not None:
+        raise UsageError(
+            f"job {name!r} was collected by `gc` as this run started: its rest and results are "
+            "gone; submit the file under another name (--job NAME) to reuse the answers kept"
+        )
     now = db_now(conn)
     row = {"host": socket.gethostname(), "machine": this_machine(), "pid": os.getpid()}
     known = select(workers.c.id).where(workers.c.id == worker)

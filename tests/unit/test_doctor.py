@@ -51,6 +51,21 @@ async def test_a_server_without_load_pages_is_said_but_not_failed() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_key_variable_named_but_not_set_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The server answered without a key; the user named a variable that is not set here, so
+    # the job would send none either: said, so a typo in the name is seen before a night.
+    monkeypatch.delenv("BATCHRUN_DOCTOR_UNSET", raising=False)
+    checks = await _checks(SimConfig(), api_key_env="BATCHRUN_DOCTOR_UNSET")
+    assert checks["API key"] == (
+        True,
+        "none sent (BATCHRUN_DOCTOR_UNSET is not set; none needed here)",
+    )
+    monkeypatch.setenv("BATCHRUN_DOCTOR_UNSET", "sk-local-0123456789")
+    checks = await _checks(SimConfig(), api_key_env="BATCHRUN_DOCTOR_UNSET")
+    assert checks["API key"] == (True, "accepted (BATCHRUN_DOCTOR_UNSET)")
+
+
+@pytest.mark.anyio
 async def test_a_server_refusing_response_format_is_reported_but_still_ready() -> None:
     refusing = SimTransport(SimModel(SimConfig(refuse_response_format=True)))
     found = await diagnose(resolve({"base_url": "http://sim.test/v1"}), refusing)

@@ -669,6 +669,10 @@ def test_a_job_is_not_started_until_a_request_is_recorded_and_stopped_after(
 
 def test_of_two_workers_ending_together_one_finishes_the_job(ledger: Ledger) -> None:
     make_job(ledger, 1)
+    assert ledger.mark_finished("j", True) is False  # an item is open: not finished
+    ledger.join("j", "me", ttl=60)
+    ledger.claim("j", "me", 1, lease_ttl=60)
+    ledger.record("j", "me", [done(1)])
     assert ledger.mark_finished("j", True) is True  # this one writes the results file
     assert ledger.mark_finished("j", True) is False  # the other does not
 
