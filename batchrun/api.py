@@ -30,6 +30,7 @@ from batchrun.errors import UsageError
 from batchrun.jobs import Home
 from batchrun.ledger import IngestReport, Job, Ledger, ledger_file, left, shown_url
 from batchrun.outputs import FORMATS, Result, result_of
+from batchrun.preview import preview
 from batchrun.progress import ProgressUpdate
 from batchrun.report import JobAborted, JobReport, checked
 from batchrun.row_input import PathLike, input_of, option_layers, rows_job
@@ -94,7 +95,7 @@ async def submit_async(
             verbs.not_collected(led, existing)
             _say(on_message, f"job {name} exists for this file; {_left(led, name, run)}")
         if not run:  # a dry run: what running it would send and cost
-            ahead = await anyio.to_thread.run_sync(verbs.preview, led, name, run_spec)
+            ahead = await anyio.to_thread.run_sync(preview, led, name, run_spec)
             _say(on_message, f"job {name}: {ahead.said()}")
             standing = _standing(led, where, name)
             return replace(standing, loaded=loaded, rejected=rejected or 0, preview=ahead)

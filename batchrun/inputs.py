@@ -42,11 +42,12 @@ class ReadStats:
     file_digest: str = ""
 
 
-def canonical_digest(defaults: dict[str, Any], body: dict[str, Any]) -> str:
-    """sha256 of the request body as it is sent: defaults overridden by the line, in its
-    canonical form (canonical_json)."""
-    merged = {**defaults, **body} if defaults else body
-    return hashlib.sha256(canonical_json(merged)[0]).hexdigest()
+def canonical_digest(body: dict[str, Any]) -> str:
+    """sha256 of a line's own request fields in their canonical form (canonical_json). The
+    run's defaults (--model, --temperature...) are not in it: they are in the answer's options
+    (reuse.answer_spec), which is what they are when the request is sent. A digest made with
+    the defaults given at submit matched an answer that a resume under other defaults made."""
+    return hashlib.sha256(canonical_json(body)[0]).hexdigest()
 
 
 def canonical_json(body: dict[str, Any]) -> tuple[bytes, bool]:
@@ -95,14 +96,12 @@ class InputReader:
         path: Path,
         *,
         endpoint: str = "chat",
-        defaults: dict[str, Any] | None = None,
         guards: InputGuards = NO_GUARDS,
         prefixes: bool = False,
     ) -> None:
         self.path = path
         self.prefixes = prefixes  # key each line's long prompt prefix (prefixes.py)
         self.endpoint = endpoint
-        self.defaults = defaults or {}
         self.max_line_bytes = guards.max_line_bytes
         self.max_input_chars = guards.max_input_chars
         self.max_input_tokens = guards.max_input_tokens
@@ -195,10 +194,7 @@ class InputReader:
             meta_json = orjson.dumps(meta) if meta else None
         except TypeError as exc:  # e.g. lone surrogates cannot be encoded back
             raise LineProblem(f"cannot be re-encoded as JSON: {exc}") from None
-        if self.defaults:
-            digest = canonical_digest(self.defaults, body)
-        else:
-            digest = hashlib.sha256(body_json).hexdigest()
+        digest = hashlib.sha256(body_json).hexdigest()  # canonical_digest(body), once dumped
         if not as_sent:  # a schema's properties: sent in the order written
             body_json = orjson.dumps(body)
         prefix = prefix_key(body) if self.prefixes else None

@@ -18,7 +18,6 @@ import anyio
 from batchrun import batch_mode, reuse
 from batchrun.backends import Transport
 from batchrun.backends.build import sim_config
-from batchrun.budget import Budget
 from batchrun.config import RunSpec, preset_for, resolve
 from batchrun.errors import (
     FatalError,
@@ -36,10 +35,11 @@ from batchrun.ledger import (
     Job,
     Joining,
     Ledger,
+    file_ledger_url,
     home_expanded,
     left,
 )
-from batchrun.limiter import estimate_split
+from batchrun.ledger_calls import LedgerCalls
 from batchrun.outputs import FORMATS, write_results
 from batchrun.progress import JobLog, Progress, ProgressUpdate
 from batchrun.routes import opened_routes
@@ -63,7 +63,7 @@ class Home:
     def at(cls, root: Path, ledger_url: str | None) -> Home:
         root = root.resolve()
         url = home_expanded(ledger_url) if ledger_url else None
-        return cls(root, url or f"sqlite:///{root / 'jobs' / 'ledger.db'}")
+        return cls(root, url or file_ledger_url(root / "jobs" / "ledger.db"))
 
     def output_path(self, job: str, fmt: str = "native") -> Path:
         return self.root / "outputs" / FORMATS[fmt].place.format(job=job)
@@ -89,8 +89,7 @@ def default_job_name(input_path: Path) -> str:
 
 
 def job_spec(job: Job) -> RunSpec:
-    """The spec a job last ran with, checked like any other (a clear error, not a TypeError,
-    if it was stored by a version with other option names)."""
+    """The spec a job last ran with, checked (an older version's option names: a clear error)."""
     return resolve(reuse.options(job.spec), endpoint_required=False)
 
 
@@ -103,7 +102,6 @@ def create_job(ledger: Ledger, name: str, input_path: Path, spec: RunSpec) -> In
     reader = InputReader(
         input_path,
         endpoint=spec.endpoint,
-        defaults=spec.request_defaults(),
         guards=spec.guards,
         prefixes=True,  # keyed always: the order is chosen when the job runs
     )
@@ -208,50 +206,6 @@ def resolve_for_job(
     return spec
 
 
-@dataclass(frozen=True)
-class Preview:
-    """What a run would do now, sending nothing (`submit --no-run`)."""
-
-    send: int  # items that would be sent
-    repeated: int  # lines that would wait for an identical line's answer
-    reused: int  # items an earlier job answered under the same options
-    tokens: int  # estimated tokens of what would be sent: prompts + max_tokens
-    cost: float | None  # at --price-in/--price-out, when given
-    model_known: bool = True  # without --model, answers reused under the server's are not seen
-
-    def said(self) -> str:
-        money = f", ~{self.cost:.4f} at the prices given" if self.cost is not None else ""
-        text = (
-            f"would send {self.send:,} requests (~{self.tokens:,} tokens at most{money}); "
-            f"{self.reused:,} answered by earlier jobs, {self.repeated:,} repeated lines "
-            "answered once"
-        )
-        if not self.model_known:
-            text += " (no --model: answers made under the model a server names are matched "
-            text += "only when a run has asked it)"
-        return text
-
-
-def preview(ledger: Ledger, name: str, spec: RunSpec) -> Preview:
-    """What running the job now would send and cost, from its stored requests. Without
-    --model, reuse is matched against the model named so far (a run asks the server first)."""
-    defaults = spec.request_defaults()
-    key = reuse.answer_spec(spec) if spec.reuse else None
-
-    send, repeated, reused, (tokens_in, tokens_out) = ledger.preview(
-        name,
-        key,
-        reuse_since=reuse.since(spec),
-        estimate=lambda body: estimate_split({**defaults, **body}),
-    )
-    tokens, cost = tokens_in + tokens_out, None
-    if spec.price_in is not None or spec.price_out is not None:
-        cost = Budget(price_in=spec.price_in or 0.0, price_out=spec.price_out or 0.0).cost(
-            tokens_in, tokens_out
-        )
-    return Preview(send, repeated, reused, tokens, cost, model_known=spec.model is not None)
-
-
 async def run_job(
     ledger: Ledger,
     home: Home,
@@ -300,9 +254,11 @@ async def run_job(
             settings = replace(settings, worker=settings.worker or uuid.uuid4().hex)
             joining = Joining(reuse.joined(spec), reuse.SAME, settings.lease_ttl, settings.worker)
             reuse_run = partial(reuse.prepare, ledger, name, spec, log, joining)
+            # a database restarting as the run starts is waited out, as it is once running
+            db = LedgerCalls(settings, outage_timeout=spec.outage_timeout, log=log, say=on_message)
             with leaving_if_stopped(ledger, name, settings.worker):  # prepare joined it
-                waiting, reused = await anyio.to_thread.run_sync(reuse_run)
-                counts = ledger.counts(name)
+                waiting, reused = await db(reuse_run)
+                counts = await db(ledger.counts, name)
                 progress = Progress(
                     total=sum(counts.values()),
                     initial=sum(counts[s] for s in FINAL_STATUSES),

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchrun.errors import FatalError
-from batchrun.jobs import Preview
 from batchrun.ledger import left
+from batchrun.preview import Preview
 from batchrun.run_state import RunStats
 
 

@@ -9,6 +9,9 @@ from pathlib import Path
 
 from batchrun.api import _home, _ledger
 from batchrun.errors import UsageError
+from batchrun.jobs import Home
+from batchrun.ledger import Job
+from batchrun.ledger.gc import Collected
 from batchrun.outputs import FORMATS
 from batchrun.reuse import seconds
 from batchrun.row_input import ROWS_FILE, PathLike
@@ -46,9 +49,16 @@ def gc(
     with _ledger(where, existing=True) as led:
         read_by = {job.name: job.input_path for job in led.list_jobs()}  # --all deletes jobs
         done = led.collect(before=time.time() - age, everything=everything, ttl=LEASE_TTL)
-        left = led.list_jobs()
-    # Every collected job's files, not only this run's: a gc stopped after its collection
-    # committed (a VACUUM that found the ledger busy) left them, and nothing else removes them.
+        _remove_files(where, done, read_by, led.list_jobs())
+        if done.jobs:  # after the files: a VACUUM that fails (busy) leaves none behind
+            led.reclaim_space()
+    return GcReport(done.jobs, done.removed, done.kept, done.running)
+
+
+def _remove_files(where: Home, done: Collected, read_by: dict[str, str], left: list[Job]) -> None:
+    """The collected jobs' results files and logs, and the rows files no job left reads.
+    Every collected job's, not only this run's: a gc stopped after its collection committed
+    left them, and nothing else removes them."""
     gone = {*done.jobs, *(job.name for job in left if job.collected_at is not None)}
     unread = {read_by[name] for name in done.jobs}
     unread |= {job.input_path for job in left if job.collected_at is not None}
@@ -58,7 +68,6 @@ def gc(
             path.unlink(missing_ok=True)
     for path in _rows_files(unread, where.root / "inputs"):
         path.unlink(missing_ok=True)
-    return GcReport(done.jobs, done.removed, done.kept, done.running)
 
 
 def _rows_files(paths: set[str], folder: Path) -> set[Path]:

@@ -1,7 +1,7 @@
 """The ledger: the only code that imports SQLAlchemy."""
 
 from batchrun.ledger.chunks import Chunk, run_owner
-from batchrun.ledger.dialect import home_expanded, ledger_file
+from batchrun.ledger.dialect import file_ledger_url, home_expanded, ledger_file
 from batchrun.ledger.engine import shown_url
 from batchrun.ledger.records import ClaimedItem, IngestReport, ItemResult, Job, Spent
 from batchrun.ledger.schema import FINAL_STATUSES, OPEN_STATUSES, STATUSES, left
@@ -21,6 +21,7 @@ __all__ = [
     "Ledger",
     "Spent",
     "Worker",
+    "file_ledger_url",
     "home_expanded",
     "ledger_file",
     "left",

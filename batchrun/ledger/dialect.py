@@ -21,13 +21,14 @@ errors mean "the database is out of reach for now" rather than "this cannot work
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from sqlalchemy import CTE, Connection, Engine, Select, create_engine, event, select, text
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, OperationalError, SQLAlchemyError
 
 from batchrun.errors import LedgerError
@@ -59,13 +60,65 @@ REFUSALS = (
 )
 
 
+# What SQLAlchemy's SQLite driver reads from a plain (not `uri=true`) URL's query; anything
+# else there is SQLite's own URI syntax, which only a URI opens (else silently dropped).
+PLAIN_SQLITE_QUERY = {"timeout", "isolation_level", "detect_types", "check_same_thread"}
+
+
+def parsed_url(url: str) -> URL:
+    """A ledger URL, parsed, or LedgerError (never echoing it: it may hold a password) for one
+    that cannot be read: not a URL, a port that is not a number (`$PGPORT` left unexpanded),
+    a host holding `@` (a password's `@` unescaped: the rest of the password is taken for the
+    host, and a driver's error would print it)."""
+    try:
+        found = make_url(url)
+    except (ArgumentError, ValueError):
+        raise LedgerError("not a ledger URL (is its port a number?)") from None
+    if "@" in (found.host or ""):
+        raise LedgerError("the ledger URL's host holds an '@': write one in a password as %40")
+    uri_only = (found.database or "").startswith("file:") or set(found.query) - PLAIN_SQLITE_QUERY
+    if found.get_backend_name() == "sqlite" and uri_only and not _is_uri(found):
+        raise LedgerError(
+            "an SQLite ledger URL with file: or query options is read by SQLite only as a URI: "
+            "add uri=true (sqlite:///file:/path/ledger.db?mode=ro&uri=true)"
+        )
+    return found
+
+
+def file_ledger_url(path: Path) -> str:
+    """The URL of an SQLite ledger file, whatever its path holds (`?`, `%`, spaces)."""
+    return URL.create("sqlite", database=str(path)).render_as_string(hide_password=False)
+
+
+def read_only(url: str) -> bool:
+    """An SQLite URI that opens the ledger read-only (`mode=ro`, `immutable=1`)."""
+    try:
+        found = make_url(url)
+    except (ArgumentError, ValueError):
+        return False
+    query = {k: str(v).lower() for k, v in found.query.items()}
+    return _is_uri(found) and (query.get("mode") == "ro" or query.get("immutable") == "1")
+
+
+def _at_rest_unwritable(path: Path) -> bool:
+    """A WAL ledger that no process has open (no -wal, no -shm beside it) in a folder this
+    process cannot write: SQLite cannot open it read-only without making a -shm there."""
+    beside = [Path(f"{path}{suffix}") for suffix in ("-wal", "-shm")]
+    at_rest = path.exists() and not any(p.exists() for p in beside)
+    return at_rest and not os.access(path.parent, os.W_OK)
+
+
+def _is_uri(found: URL) -> bool:
+    return str(found.query.get("uri", "")).lower() in ("true", "1")
+
+
 def home_expanded(url: str) -> str:
     """An SQLite URL whose path starts with `~` (`sqlite:///~/batch/ledger.db`), in the user's
     home: SQLite would make a folder named `~` in the working directory, a new empty ledger
     wherever the pipeline runs."""
     try:
         parsed = make_url(url)
-    except ArgumentError:  # not a URL: opening it says so
+    except (ArgumentError, ValueError):  # not a URL: opening it says so
         return url
     database = parsed.database or ""
     if parsed.get_backend_name() != "sqlite" or not database.startswith("~"):
@@ -79,12 +132,12 @@ def ledger_file(url: str) -> tuple[Path, bool] | None:
     create, and a read-only one must not be made); None for another database or for memory."""
     try:
         parsed = make_url(url)
-    except ArgumentError:  # not a URL: opening it says so
+    except (ArgumentError, ValueError):  # not a URL: opening it says so
         return None
     if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
         return None
     database = parsed.database
-    uri = str(parsed.query.get("uri", "")).lower() in ("true", "1")
+    uri = _is_uri(parsed)
     if uri and database.startswith("file:"):
         database = urlsplit(database).path
     return Path(database), uri
@@ -108,6 +161,10 @@ class Dialect:
                 raise LedgerError(
                     f"cannot create the ledger folder {folder}: {exc.strerror}"
                 ) from None
+        if file is not None and read_only(url) and _at_rest_unwritable(file[0]):
+            # no -shm to share, and none can be made: read the file as it lies (no writer is
+            # at work: it would have left its -wal and -shm beside it)
+            url = make_url(url).update_query_dict({"immutable": "1"}).render_as_string(False)
         engine = create_engine(
             url, connect_args={"check_same_thread": False, "timeout": BUSY_TIMEOUT_MS / 1000}
         )
@@ -228,7 +285,7 @@ DIALECTS = {d.name: d for d in (SQLITE, POSTGRES)}
 
 def dialect_for(url: str) -> Dialect:
     """The dialect of a ledger URL; a database other than these two is refused."""
-    backend = make_url(url).get_backend_name()
+    backend = parsed_url(url).get_backend_name()
     if backend not in DIALECTS:
         raise LedgerError(
             f"a ledger lives in SQLite or PostgreSQL, not {backend!r} "

@@ -22,8 +22,8 @@ from contextlib import contextmanager
 from sqlalchemy import Connection, Engine, inspect, select, text
 
 from batchrun.errors import LedgerError
-from batchrun.ledger.dialect import WRITE_OPTION, dialect_of
-from batchrun.ledger.engine import make_engine, storage_errors
+from batchrun.ledger.dialect import WRITE_OPTION, dialect_of, read_only
+from batchrun.ledger.engine import make_engine, shown_ledger, storage_errors
 from batchrun.ledger.schema import (
     chunks,
     items,
@@ -180,11 +180,18 @@ def migrate(engine: Engine) -> int:
 
 
 def _due(engine: Engine) -> bool:
-    """Whether any migration has yet to run (a read: no lock is taken)."""
+    """Whether any migration has yet to run (a read: no lock is taken). A ledger that a newer
+    batchrun migrated is refused: this one does not know what its rows now mean."""
     with engine.connect() as conn:
         if not inspect(conn).has_table(schema_migrations.name):
             return True
         done = set(conn.execute(select(schema_migrations.c.version)).scalars())
+    newest = MIGRATIONS[-1][0]
+    if max(done, default=0) > newest:
+        raise LedgerError(
+            f"the ledger's schema (version {max(done)}) is newer than this batchrun's "
+            f"({newest}): a newer batchrun made it; upgrade this one to use it"
+        )
     return any(version not in done for version, _name, _apply in MIGRATIONS)
 
 
@@ -211,14 +218,16 @@ def ready_engine(url: str, engine: Engine | None = None) -> Engine:
     """The ledger's engine, its schema up to date. A ledger that another process is making at
     this moment (two first submits) can refuse us at once, busy timeout or not (SQLite does
     not wait while a new file turns to WAL): opening tries again for a while."""
-    with storage_errors("opening the ledger"):
+    where = shown_ledger(url)
+    with storage_errors("opening the ledger", where=where):
         engine = engine or make_engine(url)
     dialect = dialect_of(engine)
     deadline = time.monotonic() + OPEN_PATIENCE_S
     while True:
         try:
-            with storage_errors("opening the ledger", dialect):
-                migrate(engine)
+            with storage_errors("opening the ledger", dialect, where):
+                if _due(engine) and not read_only(url):  # read-only: read at its own version
+                    migrate(engine)
             return engine
         except LedgerError as exc:
             if not exc.busy or time.monotonic() > deadline:

@@ -5,20 +5,21 @@ item that is still `running` under the caller's lease, and a job has at most one
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Connection, Engine, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from batchrun.errors import EmptyInput, InputError, JobExists
 from batchrun.ledger import gc, reuse, stats, workers
 from batchrun.ledger.chunks import ChunkStore
 from batchrun.ledger.dialect import HURRY_OPTION, IDLE_OPTION, WRITE_OPTION, dialect_of
 from batchrun.ledger.driver import Many
-from batchrun.ledger.engine import storage_errors
+from batchrun.ledger.engine import shown_ledger, storage_errors
 from batchrun.ledger.gc import Collected
 from batchrun.ledger.ingest import Loader
 from batchrun.ledger.migrations import ready_engine
@@ -51,6 +52,7 @@ class Ledger:
         self.url = url
         self.engine = ready_engine(url, engine)
         self.dialect = dialect_of(self.engine)
+        self.where = shown_ledger(url)  # errors name it
         self.chunks = ChunkStore(self)  # hosted Batch API batches (chunks.py)
         self._recorders: dict[bool, Many] = {}  # record's statement, by `batched`
         self.hurried = False  # a run told to stop now: its writes wait 1 s for SQLite's lock
@@ -63,7 +65,7 @@ class Ledger:
     def _write(self, action: str) -> Iterator[Connection]:
         """A write transaction: BEGIN IMMEDIATE on SQLite, so it holds the lock from the start."""
         options = {WRITE_OPTION: True, HURRY_OPTION: self.hurried, IDLE_OPTION: self.idle_ms}
-        with storage_errors(action, self.dialect), self.engine.connect() as conn:
+        with storage_errors(action, self.dialect, self.where), self.engine.connect() as conn:
             conn.execution_options(**options)
             with conn.begin():
                 yield conn
@@ -71,7 +73,7 @@ class Ledger:
     @contextmanager
     def _read(self, action: str) -> Iterator[Connection]:
         """A read: a deferred transaction, which never waits for a writer in WAL mode."""
-        with storage_errors(action, self.dialect), self.engine.connect() as conn:
+        with storage_errors(action, self.dialect, self.where), self.engine.connect() as conn:
             yield conn
 
     # --- jobs ------------------------------------------------------------------------------
@@ -150,7 +152,8 @@ class Ledger:
                 .where(jobs.c.name == name)
                 .values(total=accepted + rejected, input_digest=digest)
             )
-        self.dialect.loaded(self.engine)
+        with contextlib.suppress(SQLAlchemyError):  # statistics only (autovacuum's, later): a
+            self.dialect.loaded(self.engine)  # connection lost now loses no part of the load
         groups = loader.grouper
         return IngestReport(accepted, rejected, groups=groups.groups, grouped=groups.grouped)
 
@@ -351,14 +354,14 @@ class Ledger:
             return reuse.preview(conn, name, answer_spec, since=reuse_since, estimate=estimate)
 
     def collect(self, *, before: float, everything: bool, ttl: float) -> Collected:
-        """Remove jobs untouched since `before` that no live worker runs (see gc.py), then
-        give the space back."""
+        """Remove jobs untouched since `before` that no live worker runs (see gc.py); then
+        the caller removes their files and gives the space back (reclaim_space)."""
         with self._write("removing old jobs") as conn:
-            done = gc.collect(conn, before=before, everything=everything, ttl=ttl)
-        if done.jobs:
-            with storage_errors("reclaiming space", self.dialect):
-                self.dialect.reclaim_space(self.engine)
-        return done
+            return gc.collect(conn, before=before, everything=everything, ttl=ttl)
+
+    def reclaim_space(self) -> None:
+        with storage_errors("reclaiming space", self.dialect, self.where):
+            self.dialect.reclaim_space(self.engine)
 
     def requeue(self, name: str, statuses: tuple[str, ...] = ("failed", "invalid")) -> int:
         """Put finished-but-unsuccessful items back to pending (the `retry` command). The

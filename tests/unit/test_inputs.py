@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchrun.errors import UsageError
-from batchrun.inputs import BadLine, InputItem, InputReader
+from batchrun.inputs import BadLine, InputItem, InputReader, canonical_digest
 from tests.fakes import input_reader
 
 
@@ -222,16 +222,15 @@ def test_per_line_request_fields_land_in_the_body(tmp_path: Path) -> None:
     [{"max_tokens": 12}, {"temperature": 0.2}, {"response_format": {"type": "json_object"}}],
 )
 def test_per_line_override_changes_the_digest(tmp_path: Path, override: dict[str, Any]) -> None:
-    defaults = {"model": "m", "max_tokens": 100, "temperature": 0.7}
     path = write_lines(tmp_path / "in.jsonl", [{"prompt": "p"}, {"prompt": "p", **override}])
-    _, entries = read_all(path, defaults=defaults)
+    _, entries = read_all(path)
     plain, overridden = entries
     assert isinstance(plain, InputItem)
     assert isinstance(overridden, InputItem)
     assert plain.digest != overridden.digest
     messages = [{"role": "user", "content": "p"}]
-    assert plain.digest == expected_digest(defaults, {"messages": messages})
-    assert overridden.digest == expected_digest(defaults, {"messages": messages, **override})
+    assert plain.digest == expected_digest({}, {"messages": messages})
+    assert overridden.digest == expected_digest({}, {"messages": messages, **override})
 
 
 def test_unknown_top_level_fields_go_to_meta(tmp_path: Path) -> None:
@@ -253,16 +252,12 @@ def test_meta_does_not_change_the_digest(tmp_path: Path) -> None:
     assert a.digest == b.digest
 
 
-def test_digest_is_sha256_of_canonical_merged_body(tmp_path: Path) -> None:
-    defaults = {"model": "gemma", "temperature": 0.7, "max_tokens": 256, "top_p": 0.9}
+def test_digest_is_sha256_of_the_lines_canonical_body(tmp_path: Path) -> None:
     line = {"id": "é1", "temperature": 0.2, "prompt": "Décris ce produit ☕", "seed": 3}
-    item = one_line(tmp_path, line, defaults=defaults)
+    item = one_line(tmp_path, line)
     assert isinstance(item, InputItem)
-    merged = {
-        "model": "gemma",
-        "temperature": 0.2,  # the line wins over the job default
-        "max_tokens": 256,
-        "top_p": 0.9,
+    merged = {  # the line's own fields: the run's defaults are in its answers' options
+        "temperature": 0.2,
         "seed": 3,
         "messages": [{"role": "user", "content": "Décris ce produit ☕"}],
     }
@@ -291,13 +286,13 @@ def test_digest_does_not_depend_on_key_order(tmp_path: Path) -> None:
     assert a.digest == b.digest
 
 
-def test_digest_depends_on_defaults(tmp_path: Path) -> None:
+def test_digest_is_the_lines_own_request(tmp_path: Path) -> None:
+    # The run's defaults are in the answer's options (reuse.answer_spec), as they are when
+    # the request is sent; in the digest they were the submit's, which a resume may change.
     path = write_lines(tmp_path / "in.jsonl", [{"prompt": "p"}])
-    (a,) = InputReader(path, defaults={"model": "one"})
-    (b,) = InputReader(path, defaults={"model": "two"})
+    (a,) = InputReader(path)
     assert isinstance(a, InputItem)
-    assert isinstance(b, InputItem)
-    assert a.digest != b.digest
+    assert a.digest == canonical_digest({"messages": [{"role": "user", "content": "p"}]})
 
 
 # --- bad lines ----------------------------------------------------------------------------------

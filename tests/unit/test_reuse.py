@@ -21,6 +21,7 @@ from batchrun.errors import OptionError, UsageError
 from batchrun.inputs import InputItem
 from batchrun.jobs import Home
 from batchrun.ledger import ItemResult, Joining, Ledger, reuse
+from batchrun.preview import preview
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.sim import SimModel, SimTransport, prompt_tag
 from batchrun.status_view import job_detail, render_detail
@@ -341,13 +342,13 @@ async def test_a_dry_run_says_what_would_be_sent_and_reused(tmp_path: Path) -> N
     options = {"backend": "sim", "model": "sim-1", "max_tokens": 10, "price_out": 2.0}
     spec = resolve(options)
     jobs.create_job(ledger, "n2", path, spec)
-    ahead = jobs.preview(ledger, "n2", spec)
+    ahead = preview(ledger, "n2", spec)
     assert (ahead.send, ahead.reused, ahead.repeated) == (2, 1, 1)
     assert ahead.tokens == 2 * (1 + 10)  # a one-token prompt and max_tokens each, at most
     assert ahead.cost == pytest.approx(2 * 10 * 2.0 / 1e6)
     assert "would send 2 requests" in ahead.said()
     assert ledger.counts("n2")["pending"] == 4  # nothing changed
-    nothing = jobs.preview(ledger, "n2", resolve({**options, "reuse": False}))
+    nothing = preview(ledger, "n2", resolve({**options, "reuse": False}))
     assert (nothing.send, nothing.reused, nothing.repeated) == (4, 0, 0)
     ledger.close()
 

@@ -1,0 +1,56 @@
+"""What a run would do now, sending nothing (`submit --no-run`): requests to send, their
+tokens at most and cost, answers earlier jobs made, repeated lines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchrun import reuse
+from batchrun.budget import Budget
+from batchrun.config import RunSpec
+from batchrun.ledger import Ledger
+from batchrun.limiter import estimate_split
+
+
+@dataclass(frozen=True)
+class Preview:
+    """What a run would do now, sending nothing (`submit --no-run`)."""
+
+    send: int  # items that would be sent
+    repeated: int  # lines that would wait for an identical line's answer
+    reused: int  # items an earlier job answered under the same options
+    tokens: int  # estimated tokens of what would be sent: prompts + max_tokens
+    cost: float | None  # at --price-in/--price-out, when given
+    model_known: bool = True  # without --model, answers reused under the server's are not seen
+
+    def said(self) -> str:
+        money = f", ~{self.cost:.4f} at the prices given" if self.cost is not None else ""
+        text = (
+            f"would send {self.send:,} requests (~{self.tokens:,} tokens at most{money}); "
+            f"{self.reused:,} answered by earlier jobs, {self.repeated:,} repeated lines "
+            "answered once"
+        )
+        if not self.model_known:
+            text += " (no --model: answers made under the model a server names are matched "
+            text += "only when a run has asked it)"
+        return text
+
+
+def preview(ledger: Ledger, name: str, spec: RunSpec) -> Preview:
+    """What running the job now would send and cost, from its stored requests. Without
+    --model, reuse is matched against the model named so far (a run asks the server first)."""
+    defaults = spec.request_defaults()
+    key = reuse.answer_spec(spec) if spec.reuse else None
+
+    send, repeated, reused, (tokens_in, tokens_out) = ledger.preview(
+        name,
+        key,
+        reuse_since=reuse.since(spec),
+        estimate=lambda body: estimate_split({**defaults, **body}),
+    )
+    tokens, cost = tokens_in + tokens_out, None
+    if spec.price_in is not None or spec.price_out is not None:
+        cost = Budget(price_in=spec.price_in or 0.0, price_out=spec.price_out or 0.0).cost(
+            tokens_in, tokens_out
+        )
+    return Preview(send, repeated, reused, tokens, cost, model_known=spec.model is not None)
