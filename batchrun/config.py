@@ -14,15 +14,12 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
+from urllib.parse import urlsplit
 
-from batchrun.endpoints import not_a_name, parse_endpoints, url_problem
+from batchrun.endpoints import parse_endpoints
 from batchrun.errors import OptionError, UsageError
 from batchrun.presets import PRESETS, Preset
-
-ENDPOINTS = ("chat", "completions")
-ON_TRUNCATE = ("fail", "retry-longer")
-ORDERS = ("auto", "prefix", "input")
-
+from batchrun.spec_rules import validate
 
 # The spec's parts, for the layers that need only one: the input reader takes the guards, the
 # throttle the pacing, the retry policy the retries (the backend is built from the endpoint
@@ -229,7 +226,7 @@ def _coerce(name: str, value: Any) -> Any:
     if value is None:
         return None
     if name == "concurrency" and isinstance(value, str):
-        if value.strip().isdigit():
+        if value.strip().isdecimal():  # not isdigit: '²' is a digit int() refuses
             value = int(value)
         elif value.strip().lower() == "auto":
             return "auto"
@@ -237,7 +234,10 @@ def _coerce(name: str, value: Any) -> Any:
             raise OptionError(
                 f"{{concurrency}} must be a number or auto, got {OptionError.quoted(value)}"
             )
-    return checked(f"{{{name}}}", value, str(kind).split(" |")[0].split("[")[0])
+    value = checked(f"{{{name}}}", value, str(kind).split(" |")[0].split("[")[0])
+    if name == "endpoints" and not all(isinstance(e, str) for e in value):  # TOML tables
+        raise OptionError('{endpoints} must be a list of "NAME=URL[,model=M,...]" strings')
+    return value
 
 
 # What a value of each kind may be given as (a float as an int too; a bool is never a number).
@@ -251,12 +251,22 @@ ACCEPTED: dict[str, tuple[type, ...]] = {
 }
 
 
+# Options whose value may hold a secret (a URL's user:password@, a key pasted for a name):
+# a wrong one is refused by its type, never echoed.
+UNSHOWN = {
+    f"{{{k}}}" for k in ("base_url", "endpoints", "endpoint", "api_key_env", "server_metrics")
+}
+
+
 def checked(label: str, value: Any, kind: str) -> Any:
     """`value` as a `kind` ("int", "float"...), or an OptionError naming `label`: the one type
     check for run options, spec files and simulator options alike."""
     allowed = ACCEPTED.get(kind)
     if allowed and (not isinstance(value, allowed) or (kind != "bool" and isinstance(value, bool))):
-        raise OptionError(f"{label} must be {kind}, got {OptionError.quoted(value)}")
+        shown = f"a {type(value).__name__}" if label in UNSHOWN else OptionError.quoted(value)
+        raise OptionError(f"{label} must be {kind}, got {shown}")
+    if kind == "int" and not -(2**63) <= value < 2**63:
+        raise OptionError(f"{label} is out of range (at most {2**63 - 1:,})")
     if kind == "float" and not math.isfinite(value):  # a DataFrame's empty cell: NaN
         raise OptionError(f"{label} must be a number, got {OptionError.quoted(value)}")
     return float(value) if kind == "float" else tuple(value) if kind == "tuple" else value
@@ -273,20 +283,26 @@ def load_spec_file(path: Path) -> dict[str, Any]:
         raise UsageError(f"cannot read spec file {path}: {exc.strerror or exc}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UsageError(f"spec file {path} is not valid TOML: {exc}") from None
-    return {k.replace("-", "_"): v for k, v in data.items()}
+    options = {k.replace("-", "_"): v for k, v in data.items()}
+    if len(options) < len(data):  # max_tokens and max-tokens: which one is meant?
+        twice = sorted({k for k in options if k in data and k.replace("_", "-") in data})
+        raise UsageError(f"spec file {path} gives {', '.join(twice)} twice (with - and with _)")
+    if "quiet" in options:  # how the command speaks, not what the job does
+        raise UsageError(f"spec file {path}: quiet is not a job option; give --quiet instead")
+    return options
 
 
-def resolve(*layers: dict[str, Any], endpoint_required: bool = True) -> RunSpec:
+def resolve(
+    *layers: dict[str, Any], endpoint_required: bool = True, stored: bool = False
+) -> RunSpec:
     """Merge option layers (lowest precedence first; None means 'not given') into a RunSpec.
 
     Without `endpoint_required`, a spec may name no endpoint yet (backend ""): a job loaded
-    with `submit --no-run`, whose endpoint is given when it runs."""
+    with `submit --no-run`, whose endpoint is given when it runs. `stored`: a job's own spec,
+    read back (its key variable was checked where it was given, and need not be set here)."""
     merged: dict[str, Any] = {}
     for layer in layers:
-        switched = layer.get("backend") not in (None, merged.get("backend"))
-        if switched:  # a new preset brings its own URL and key variable, not the old ones
-            merged.pop("base_url", None)
-            merged.pop("api_key_env", None)
+        _moved(merged, layer)
         if layer.get("endpoints"):  # several endpoints replace the one the job had
             for key in ("backend", "base_url", "api_key_env"):
                 merged.pop(key, None)
@@ -305,7 +321,7 @@ def resolve(*layers: dict[str, Any], endpoint_required: bool = True) -> RunSpec:
     backend = merged.get("backend") or ("custom" if merged.get("base_url") else None)
     if backend is None and not endpoint_required:
         spec = RunSpec(**{**merged, "backend": "", "base_url": ""})
-        _validate(spec, None)
+        validate(spec, None, stored=stored)
         return spec
     if backend is None:
         raise OptionError(
@@ -323,96 +339,37 @@ def resolve(*layers: dict[str, Any], endpoint_required: bool = True) -> RunSpec:
     merged["base_url"] = str(merged["base_url"]).rstrip("/")
     merged.setdefault("api_key_env", preset.api_key_env)
     spec = RunSpec(**merged)
-    _validate(spec, preset if endpoint_required else None)  # the key is needed when it runs
+    validate(
+        spec, preset if endpoint_required else None, stored=stored
+    )  # the key is needed when it runs
     return spec
 
 
-def _validate(spec: RunSpec, preset: Preset | None) -> None:
-    if spec.endpoint not in ENDPOINTS:
-        raise OptionError(
-            f"{{endpoint}} must be chat or completions, got {OptionError.quoted(spec.endpoint)}"
-        )
-    several = parse_endpoints(spec.endpoints)
-    if len(several) > 1 and spec.server_metrics not in ("auto", "off"):
-        raise OptionError(
-            "{server_metrics} URL names one server; with several endpoints give auto or off"
-        )
-    for e in several:
-        if e.key and (why := not_a_name(e.key)):  # not echoed, like api_key_env
-            raise UsageError(f"--endpoint {e.name}: key= {why}")
-        if e.backend and e.backend not in PRESETS:
-            raise UsageError(f"--endpoint {e.name}: unknown backend {e.backend!r}")
-    if spec.mode not in ("online", "batch") or spec.then not in ("none", "online"):
-        raise OptionError("{mode} must be online or batch, and {then} none or online")
-    if spec.mode == "batch" and (not spec.model or spec.endpoints):
-        raise OptionError(
-            "{mode} batch needs {model}, and the provider as {backend} or {base_url} (not "
-            "{endpoints})"
-        )
-    if spec.batch_max_requests < 1 or spec.batch_max_bytes < 1000 or spec.poll_interval <= 0:
-        raise OptionError(
-            "{batch_max_requests} must be at least 1, {batch_max_bytes} at least 1000 and "
-            "{poll_interval} positive"
-        )
-    if spec.order not in ORDERS:
-        raise OptionError(f"{{order}} must be one of {', '.join(ORDERS)}")
-    if isinstance(spec.concurrency, int) and spec.concurrency < 1:
-        raise OptionError("{concurrency} must be at least 1")
-    if spec.max_concurrency < 1:
-        raise OptionError("{max_concurrency} must be at least 1")
-    metrics = spec.server_metrics
-    if metrics not in ("auto", "off") and url_problem(metrics) is not None:
-        got = "a URL with a user:password@" if "@" in metrics else OptionError.quoted(metrics)
-        raise OptionError(f"{{server_metrics}} must be auto, off or an http(s) URL, got {got}")
-    # these URLs are never shown: one may hold a user:password@
-    for e in parse_endpoints(spec.endpoints):  # first: the job's base URL is the first's
-        if (problem := url_problem(e.url)) is not None:
-            raise UsageError(f"--endpoint {e.name}: its URL {problem}")
-    if spec.base_url and (problem := url_problem(spec.base_url)) is not None:
-        raise OptionError(f"{{base_url}} {problem}")
-    for name in ("rpm", "tpm"):
-        value = getattr(spec, name)
-        if value is not None and value <= 0:
-            raise OptionError(f"{{{name}}} must be positive")
-    if spec.max_attempts < 1:
-        raise OptionError("{max_attempts} must be at least 1")
-    if spec.repair_attempts < 0:
-        raise OptionError("{repair_attempts} must be 0 or more")
-    if spec.on_truncate not in ON_TRUNCATE:
-        raise OptionError(f"{{on_truncate}} must be one of {', '.join(ON_TRUNCATE)}")
-    if spec.max_tokens_cap < 1:
-        raise OptionError("{max_tokens_cap} must be at least 1")
-    if spec.timeout <= 0:
-        raise OptionError("{timeout} must be positive")
-    if spec.outage_timeout < 0:
-        raise OptionError("{outage_timeout} must be 0 or more")
-    if spec.lease < 1:
-        raise OptionError("{lease} must be at least 1 second")
-    if spec.max_cost is not None and spec.price_in is None and spec.price_out is None:
-        raise OptionError("{max_cost} needs {price_in} and {price_out} (per million tokens)")
-    budget = "max_total_tokens" if spec.max_total_tokens is not None else "max_cost"
-    if getattr(spec, budget) is not None and spec.max_tokens is None:
-        # an answer's length bounds what a request may cost: without it no estimate holds
-        raise OptionError(
-            f"{{{budget}}} needs {{max_tokens}}: without it an answer's length has no bound, "
-            "and one answer could pass the budget (a line's own max_tokens still wins)"
-        )
-    for name in ("max_cost", "price_in", "price_out"):
-        if (getattr(spec, name) or 0) < 0:
-            raise OptionError(f"{{{name}}} must be 0 or more")
-    limits = ("max_tokens", "max_line_bytes", "max_input_chars", "max_input_tokens")
-    for name in (*limits, "max_total_tokens"):
-        value = getattr(spec, name)
-        if value is not None and value < 1:
-            raise OptionError(f"{{{name}}} must be at least 1")
-    if spec.api_key_env and (why := not_a_name(spec.api_key_env)):
-        # not echoed: a key pasted where its variable's name goes must not reach a log
-        raise OptionError("{api_key_env} " + why)
-    if preset is not None and preset.key_required and spec.api_key() is None:
-        raise OptionError(
-            f"backend {preset.name} needs an API key: set the environment variable "
-            f"{spec.api_key_env} (or name another with {{api_key_env}})"
-        )
+def _moved(merged: dict[str, Any], layer: dict[str, Any]) -> None:
+    """Before `layer` is laid over `merged`: where it names another server, what belonged to
+    the old one goes. A new preset over an earlier one brings its own URL and key variable
+    (over a bare URL and key, a spec file's, it only adds its quirks). A URL elsewhere over a
+    service at its own address (a hosted API's, the simulator's) is another server: a custom
+    one, and the hosted key variable is not sent there unless this layer names it."""
+    before = merged.get("backend")
+    if before is not None and layer.get("backend") not in (None, before):
+        merged.pop("base_url", None)
+        merged.pop("api_key_env", None)
+        return
+    url, preset = layer.get("base_url"), PRESETS.get(str(before))
+    if not url or layer.get("backend") or preset is None or not preset.at_its_address:
+        return
+    if _host(url) != _host(merged.get("base_url") or preset.base_url):
+        merged["backend"] = "custom"
+        merged.pop("api_key_env", None)
+
+
+def _host(url: str) -> tuple[str | None, int | None]:
+    try:
+        parts = urlsplit(str(url))
+        return parts.hostname, parts.port
+    except ValueError:  # a port that is not a number: url_problem says so later
+        return None, None
 
 
 def preset_for(spec: RunSpec) -> Preset:

@@ -370,6 +370,7 @@ class HostedRun:
             parsed=outcome.parsed,
             error=outcome.error,
             answered_by="batch",  # `status` counts what batches answered like an endpoint
+            answer_model=item.body.get("model") or self._defaults.get("model"),
         )
 
 

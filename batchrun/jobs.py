@@ -90,7 +90,7 @@ def default_job_name(input_path: Path) -> str:
 
 def job_spec(job: Job) -> RunSpec:
     """The spec a job last ran with, checked (an older version's option names: a clear error)."""
-    return resolve(reuse.options(job.spec), endpoint_required=False)
+    return resolve(reuse.options(job.spec), endpoint_required=False, stored=True)
 
 
 def create_job(ledger: Ledger, name: str, input_path: Path, spec: RunSpec) -> IngestReport:

@@ -142,7 +142,9 @@ def openai_record(item: StoredItem, model: str | None) -> dict[str, Any]:
                 "id": request_id,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(item.updated_at),  # when the answer was recorded
-                "model": item.model or model,  # the line's own, else the job's
+                # the model it was asked of; for answers recorded before that was kept, the
+                # line's own, else the job's
+                "model": item.answer_model or item.model or model,
                 "choices": [choice],
                 "usage": {
                     "prompt_tokens": prompt,

@@ -22,6 +22,12 @@ class Preset:
     guided_style: str = "json_schema"
     note: str = ""
 
+    @property
+    def at_its_address(self) -> bool:
+        """A service that lives at its own address (a hosted API, the in-process simulator),
+        unlike an engine run anywhere: a base URL given later, elsewhere, is another server."""
+        return self.key_required or self.name == "sim"
+
 
 PRESETS: dict[str, Preset] = {
     p.name: p

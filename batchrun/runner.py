@@ -1,14 +1,12 @@
 """The pipeline: claim -> worker pool -> sender (pacing, retries, validation) -> group commits.
 
-One feeder leases pending items in small batches and hands them to N workers through a bounded
-channel; workers send results to one writer (group_commit.py), which commits them in groups at
-most `commit_interval` seconds old. Stopping (Ctrl-C, SIGTERM, or a fatal endpoint error) never
-cancels the writer: workers stop taking items, in-flight requests get `drain_timeout` to finish,
-what finished is committed, and unfinished claims go back to pending for `resume`. A caller's
-cancel scope does cancel it, and it commits what it holds before it ends.
-
-Knows only the Backend protocol and the Ledger's API; ledger calls run in a worker thread, one
-at a time, so the event loop never blocks on disk.
+One feeder leases pending items in small batches and hands them to N workers; workers send
+results to one writer (group_commit.py), which commits them in groups at most `commit_interval`
+seconds old. Stopping (Ctrl-C, SIGTERM, a fatal endpoint error) never cancels the writer:
+workers stop taking items, in-flight requests get `drain_timeout` to finish, what finished is
+committed, unfinished claims go back to pending. A caller's cancel scope does cancel it, and it
+commits what it holds first. Knows only the Backend protocol and the Ledger's API; ledger calls
+run in a worker thread, one at a time, so the event loop never blocks on disk.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ from batchrun.feeder import Feeder
 from batchrun.fleet import Fleet
 from batchrun.group_commit import write_in_groups
 from batchrun.lanes import EndpointUse, Lane, Route
-from batchrun.ledger import FINAL_STATUSES, ClaimedItem, ItemResult, Ledger
+from batchrun.ledger import FINAL_STATUSES, ClaimedItem, ItemResult, Ledger, left
 from batchrun.ledger_calls import LedgerCalls
 from batchrun.progress import JobLog, Progress
 from batchrun.retrying import OutageWatch, RetryPolicy, until_set
@@ -278,10 +276,11 @@ class Runner:
             self.progress.say(f"endpoint {fields['endpoint']} {name.partition('_')[2]}{why}")
 
     async def _run_workers(self, results_send: MemoryObjectSendStream[ItemResult]) -> None:
-        # More workers than slots: an item sleeping before its retry holds no slot, and
-        # another item takes its place on the wire.
+        # More workers than slots (an item sleeping before its retry holds no slot, and another
+        # takes its place), but no more than items left: a 1-line job at --concurrency 40000
         slots = sum(route.spec.most_in_flight for route in self.routes)
-        most = slots + max(4, slots // 4)
+        open_items = left(await self._db(self.ledger.counts, self.job))
+        most = min(slots + max(4, slots // 4), max(1, open_items))
         # The feeder bounds what is claimed; a bound here too would hold it back from its next
         # claim until the last one were all taken, and the workers would wait on the ledger.
         work_send, work_recv = anyio.create_memory_object_stream[ClaimedItem](math.inf)

@@ -268,6 +268,7 @@ class Sender:
                     extra_prompt_tokens=plan.estimated[0],
                     extra_completion_tokens=plan.estimated[1],
                     answered_by=self._named(lane),
+                    answer_model=self._model(item, lane),
                 )
             tally = Tally()  # a follow-up is a request of its own
             if refusal is not None:
@@ -294,6 +295,11 @@ class Sender:
         """The endpoint a result records: named with several, one left out at the start
         included (one needs no name)."""
         return None if self.fleet.only and not self.fleet.left_out else lane.name
+
+    def _model(self, item: ClaimedItem, lane: Lane) -> str | None:
+        """The model its request asked for: the line's own, the job's, or its endpoint's."""
+        model = item.body.get("model") or self.defaults.get("model") or lane.route.spec.model
+        return model if isinstance(model, str) else None
 
     def _body(self, body: dict[str, Any], lane: Lane, item: ClaimedItem) -> dict[str, Any]:
         """The request's body for `lane`: its model, with several endpoints."""
@@ -340,6 +346,7 @@ class Sender:
             extra_prompt_tokens=plan.estimated[0],
             extra_completion_tokens=plan.estimated[1],
             answered_by=self._named(lane),
+            answer_model=self._model(item, lane),
             answer_spec=lane.answer_spec,
         )
 

@@ -135,6 +135,10 @@ def _v12_charged_attempts(conn: Connection) -> None:
     _add_counts(conn, ("charged",))
 
 
+def _v13_answer_model(conn: Connection) -> None:
+    _add_column(conn, "items", "answer_model", "VARCHAR(200)")
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "initial jobs and items", _v1_initial),
     (2, "jobs.limit_history for --concurrency auto", _v2_limit_history),
@@ -152,6 +156,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (10, "jobs.collected_at: a job gc kept only answers of", _v10_collected_jobs),
     (11, "item ids unique by their md5 where index entries are limited", _v11_long_ids),
     (12, "items.charged: --max-attempts goes on across a stopped run", _v12_charged_attempts),
+    (13, "items.answer_model: the model each answer was asked of", _v13_answer_model),
 ]
 
 

@@ -99,6 +99,7 @@ class ItemResult:
     extra_prompt_tokens: int = 0
     extra_completion_tokens: int = 0
     answered_by: str | None = None  # the endpoint of its last request
+    answer_model: str | None = None  # the model that request asked for
     answer_spec: str | None = None  # the answer options it was made under (reuse.py)
 
 
@@ -128,6 +129,7 @@ class StoredItem:
     reused_job: str | None = None  # the earlier job whose answer this line reused
     reused_line: int | None = None
     answered_by: str | None = None  # the endpoint that answered it
+    answer_model: str | None = None  # the model its answer was asked of, where recorded
     model: str | None = None  # the line's own model, where it asked one (read when asked for)
 
 

@@ -50,6 +50,7 @@ COPIED = (
     "ttft_ms",
     "error",
     "answered_by",
+    "answer_model",
 )
 # A copy is not a source: it is not an answer a request made, whatever the row held before (a
 # line that once failed under other options keeps their `answer_spec` until it is done again).

@@ -125,6 +125,9 @@ items = Table(
     # Attempts charged against --max-attempts before a run ended without the item's result (a
     # stop, an abort): the next run goes on from there; `retry` starts it again (migration 12).
     Column("charged", Integer, nullable=False, server_default="0"),
+    # The model its answer was asked of (migration 13): the line's own, its endpoint's, or
+    # the job's as the run that answered it had it (a resume may name another).
+    Column("answer_model", String(200)),
     # A batch's answer that needs a follow-up (a repair, a longer retry), JSON: the online
     # run judges it again and sends the follow-up, not the whole request (migration 7).
     Column("followup", Text),

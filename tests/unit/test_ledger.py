@@ -304,7 +304,8 @@ def test_a_ledger_made_before_charged_attempts_takes_them(tmp_path: Path) -> Non
         migrate(engine)
     with engine.begin() as conn:  # as version 11 made it
         conn.execute(text("ALTER TABLE items DROP COLUMN charged"))
-    assert migrate(engine) == 1
+        conn.execute(text("ALTER TABLE items DROP COLUMN answer_model"))
+    assert migrate(engine) == len(MIGRATIONS) - 11
     engine.dispose()
     ledger = Ledger(url)
     make_job(ledger, 2)
@@ -628,6 +629,7 @@ def test_migrations_bring_an_older_ledger_up_to_date(tmp_path: Path) -> None:
         "extra_prompt_tokens",
         "extra_completion_tokens",
         "charged",
+        "answer_model",
     } <= {c["name"] for c in inspect(engine).get_columns("items")}
     assert {"ix_items_reuse", "ix_items_sched"} <= {
         i["name"] for i in inspect(engine).get_indexes("items")
