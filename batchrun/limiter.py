@@ -17,19 +17,22 @@ from batchrun.inputs import estimate_tokens, prompt_chars
 class TokenBucket:
     """Client-side pacing for requests or tokens per minute: `take` says how long to wait."""
 
-    def __init__(self, per_minute: float, *, burst: float | None = None) -> None:
+    def __init__(
+        self, per_minute: float, *, burst: float | None = None, least: float = 0.0
+    ) -> None:
         if per_minute <= 0:
             raise ValueError("per_minute must be positive")
         self.per_minute = per_minute
+        self.least = least  # the burst is never below this (one request: --rpm 1 sends now)
         self.rate = per_minute / 60.0
-        self.capacity = burst if burst is not None else per_minute / 60.0 * 5  # 5 s of burst
+        self.capacity = burst if burst is not None else max(self.rate * 5, least)  # 5 s
         self.level = self.capacity
         self.updated: float | None = None
 
     def share(self, fraction: float) -> None:
         """Keep `fraction` of the budget (this worker's part of a job's): rate and burst."""
         self.rate = self.per_minute / 60.0 * fraction
-        self.capacity = self.rate * 5
+        self.capacity = max(self.rate * 5, self.least)
         self.level = min(self.level, self.capacity)
 
     def _refill(self, now: float) -> None:
@@ -63,7 +66,7 @@ class Pacer:
     def __init__(
         self, *, rpm: float | None = None, tpm: float | None = None, in_flight: int = 16
     ) -> None:
-        self.requests = TokenBucket(rpm) if rpm else None
+        self.requests = TokenBucket(rpm, least=1.0) if rpm else None
         self.tokens = TokenBucket(tpm) if tpm else None
         self.pause_until = 0.0
         self.in_flight = in_flight  # the most requests in flight (the throttle keeps it current)

@@ -46,6 +46,17 @@ def test_pacer_applies_rpm_and_tpm_buckets() -> None:
     assert waits[5] == pytest.approx(1.0)
 
 
+def test_a_slow_rpm_sends_its_first_request_at_once() -> None:
+    # --rpm 1: five seconds of burst is a twelfth of a request, and the first one waited 55 s;
+    # the burst is at least one request, so it goes now and the next a minute later.
+    pacer = Pacer(rpm=1)
+    assert pacer.wait(0.0, 10) == 0
+    assert pacer.wait(0.0, 10) == pytest.approx(60.0)
+    shared = Pacer(rpm=6)
+    shared.share(3)  # three workers: 2 a minute each, and each may still send one now
+    assert shared.wait(0.0, 10) == 0
+
+
 def test_pacer_waits_for_the_servers_reset_when_its_budget_is_spent() -> None:
     pacer = Pacer()
     spent = RateInfo(remaining_requests=0, reset_requests_s=2.5)
