@@ -72,6 +72,10 @@ def validate(spec: RunSpec, preset: Preset | None, *, stored: bool = False) -> N
         raise OptionError(f"{{on_truncate}} must be one of {', '.join(ON_TRUNCATE)}")
     if spec.max_tokens_cap < 1:
         raise OptionError("{max_tokens_cap} must be at least 1")
+    if spec.on_truncate == "retry-longer" and spec.max_tokens_cap <= (spec.max_tokens or 0):
+        raise OptionError("{max_tokens_cap} must be above {max_tokens} to retry longer")
+    if (spec.temperature or 0) < 0 or not 0 < (1 if spec.top_p is None else spec.top_p) <= 1:
+        raise OptionError("{temperature} must be 0 or more, and {top_p} above 0 and at most 1")
     if spec.timeout <= 0:
         raise OptionError("{timeout} must be positive")
     if spec.outage_timeout < 0:

@@ -449,9 +449,16 @@ def test_structured_output_options_are_checked() -> None:
         ({"on_truncate": "grow"}, "on_truncate"),
         ({"repair_attempts": -1}, "repair_attempts"),
         ({"max_tokens_cap": 0}, "max_tokens_cap"),
+        # a cap at or below max_tokens: retry-longer would never retry (the options review)
+        ({"on_truncate": "retry-longer", "max_tokens": 512, "max_tokens_cap": 512}, "cap"),
+        ({"temperature": -0.5}, "temperature"),  # every server refuses: every line would fail
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": 0.0}, "top_p"),
     ]:
         with pytest.raises(UsageError, match=message):
             resolve({"backend": "vllm", **bad})
+    kept = resolve({"backend": "vllm", "max_tokens": 512, "temperature": 0.0, "top_p": 1.0})
+    assert (kept.temperature, kept.top_p, kept.max_tokens_cap) == (0.0, 1.0, 4096)
 
 
 @pytest.mark.parametrize(
