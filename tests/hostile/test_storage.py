@@ -76,6 +76,16 @@ def _run_cli(home: Path, *args: str, preexec: Callable[[], None] | None = None) 
     )
 
 
+def _start_cli(home: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "batchrun", "--home", str(home), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+
+
 @contextlib.contextmanager
 def _read_only(*paths: Path) -> Iterator[None]:
     modes = {p: stat.S_IMODE(p.stat().st_mode) for p in paths}
@@ -291,30 +301,14 @@ def test_gc_all_whose_vacuum_failed_still_removes_the_files_later(
     logs are never removed (a VACUUM on a full disk, the usual reason to run gc, fails the
     same way: it needs room for a copy)."""
     import batchrun
-    from batchrun.ledger import dialect
+    from tests.hostile.test_core import _old_job_and_a_busy_vacuum
 
-    db = _one_job(tmp_path)
-    with sqlite3.connect(db) as conn:  # ... weeks go by
-        conn.execute("UPDATE jobs SET updated_at = 0")
-    conn.close()
+    undo = _old_job_and_a_busy_vacuum(tmp_path, monkeypatch)
     results, log = tmp_path / "outputs" / "in.jsonl", tmp_path / "logs" / "in.log"
     assert results.exists() and log.exists()
-    monkeypatch.setattr(dialect, "BUSY_TIMEOUT_MS", 200)  # SQLite's 30 s, cut for the test
-    vacuum = dialect.Dialect.reclaim_space
-
-    def busy_vacuum(self: Any, engine: Any) -> None:
-        other = sqlite3.connect(db, isolation_level=None)  # another process is writing
-        other.execute("BEGIN IMMEDIATE")
-        try:
-            vacuum(self, engine)
-        finally:
-            other.execute("ROLLBACK")
-            other.close()
-
-    monkeypatch.setattr(dialect.Dialect, "reclaim_space", busy_vacuum)
     first = _cli("--home", str(tmp_path), "gc", "--all")
     assert first.exit_code == 2, first.output
-    monkeypatch.setattr(dialect.Dialect, "reclaim_space", vacuum)
+    undo()
     batchrun.gc("30d", everything=True, home=tmp_path)  # the next night's gc
     left = [p.name for p in (results, log) if p.exists()]
     assert not left, f"a collected job's files are never removed: {left}"
@@ -350,24 +344,7 @@ def test_a_connection_dropped_during_the_analyze_after_a_load_is_one_line(
         )
         with psycopg.connect(plain) as holder, psycopg.connect(plain, autocommit=True) as admin:
             holder.execute("LOCK TABLE items IN SHARE UPDATE EXCLUSIVE MODE")
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "batchrun",
-                    "--home",
-                    str(tmp_path),
-                    "--ledger",
-                    url,
-                    "submit",
-                    str(second),
-                    "--no-run",
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
-            )
+            proc = _start_cli(tmp_path, "--ledger", url, "submit", str(second), "--no-run")
             try:
                 waiting = None
                 for _ in range(600):  # until its ANALYZE waits for the lock
@@ -454,27 +431,17 @@ def test_a_connection_dropped_as_a_run_starts_is_waited_out_like_one_mid_run(
         plain = url.replace("postgresql+psycopg://", "postgresql://")
         with psycopg.connect(plain) as holder, psycopg.connect(plain, autocommit=True) as admin:
             holder.execute("SELECT name FROM jobs WHERE name = 'nightly' FOR UPDATE")
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "batchrun",
-                    "--home",
-                    str(tmp_path),
-                    "--ledger",
-                    url,
-                    "resume",
-                    "nightly",
-                    "--backend",
-                    "sim",
-                    "--outage-timeout",
-                    "30",
-                    "--quiet",
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+            proc = _start_cli(
+                tmp_path,
+                "--ledger",
+                url,
+                "resume",
+                "nightly",
+                "--backend",
+                "sim",
+                "--outage-timeout",
+                "30",
+                "--quiet",
             )
             try:
                 _terminate_when_waiting(admin, proc, "%FROM jobs%FOR UPDATE%")
