@@ -289,6 +289,9 @@ def load_spec_file(path: Path) -> dict[str, Any]:
         raise UsageError(f"spec file {path} gives {', '.join(twice)} twice (with - and with _)")
     if "quiet" in options:  # how the command speaks, not what the job does
         raise UsageError(f"spec file {path}: quiet is not a job option; give --quiet instead")
+    schema = options.get("schema")
+    if isinstance(schema, str) and schema and not Path(schema).expanduser().is_absolute():
+        options["schema"] = str(path.parent / schema)  # beside the spec, wherever cron runs
     return options
 
 

@@ -339,6 +339,19 @@ def test_load_spec_file_with_dashed_keys(tmp_path: Path) -> None:
     assert spec.skip_invalid is True
 
 
+def test_a_spec_files_schema_path_is_read_beside_the_spec(tmp_path: Path) -> None:
+    # `schema = "product.schema.json"` in jobs/nightly.toml is jobs/product.schema.json,
+    # whatever folder cron runs the command from; an absolute or ~ path is kept.
+    folder = tmp_path / "jobs"
+    folder.mkdir()
+    (folder / "nightly.toml").write_text('schema = "product.schema.json"\n')
+    assert load_spec_file(folder / "nightly.toml")["schema"] == str(folder / "product.schema.json")
+    (folder / "abs.toml").write_text('schema = "/srv/s.json"\n')
+    assert load_spec_file(folder / "abs.toml")["schema"] == "/srv/s.json"
+    (folder / "home.toml").write_text('schema = "~/s.json"\n')
+    assert load_spec_file(folder / "home.toml")["schema"] == "~/s.json"
+
+
 def test_spec_file_typo_is_named_by_resolve(tmp_path: Path) -> None:
     path = tmp_path / "job.toml"
     path.write_text('backend = "sim"\nmax-atempts = 3\n', encoding="utf-8")
