@@ -414,6 +414,23 @@ def test_request_defaults_all_fields() -> None:
     }
 
 
+def test_a_load_page_url_goes_with_the_server_it_was_given_for() -> None:
+    # A job run with --server-metrics http://old:8000/metrics, resumed on another host: auto
+    # reads the new server's page, not the old one's (the options review's suspicion).
+    stored = {
+        "backend": "vllm",
+        "base_url": "http://old:8000/v1",
+        "server_metrics": "http://old:8000/metrics",
+    }
+    assert resolve(stored, {"base_url": "http://new:8000/v1"}).server_metrics == "auto"
+    assert resolve(stored, {"base_url": "http://old:8000/v1/"}).server_metrics.startswith(
+        "http://old"
+    )
+    named = {"base_url": "http://new:8000/v1", "server_metrics": "http://new:9000/metrics"}
+    assert resolve(stored, named).server_metrics == "http://new:9000/metrics"
+    assert resolve(stored, {"backend": "sglang"}).server_metrics == "auto"
+
+
 def test_switching_backend_on_resume_drops_the_old_presets_url_and_key_variable() -> None:
     stored = resolve({"backend": "vllm"}).to_json()
     switched = resolve(stored, {"backend": "ollama"})
