@@ -59,11 +59,11 @@ class Budget:
         tokens_out = self.spent_out + self.held_out + est_out
         most = self.max_tokens
         if most is not None and self._over(tokens_in + tokens_out, most, sum(self.looked), looked):
-            raise BudgetReached(self._said(f"{est_in + est_out:,}"))
+            raise BudgetReached(self._said(f"{est_in + est_out:,}", tokens=True))
         if self.max_cost is not None:
             after = self.cost(tokens_in, tokens_out)
             if self._over(after, self.max_cost, self.cost(*self.looked), looked):
-                raise BudgetReached(self._said(f"{self.cost(est_in, est_out):.4f}"))
+                raise BudgetReached(self._said(f"{self.cost(est_in, est_out):.4f}", tokens=False))
         self.held_in += est_in
         self.held_out += est_out
 
@@ -78,9 +78,11 @@ class Budget:
             raise ShareSpent
         return False
 
-    def _said(self, next_takes: str) -> str:
+    def _said(self, next_takes: str, *, tokens: bool) -> str:
+        """Why the request may not go, naming the limit it would pass (`tokens`: the token
+        budget, else the cost's) and what to raise."""
         part = "" if self.workers == 1 else f" (this worker's part, 1 of {self.workers} alive)"
-        if self.max_tokens is not None:
+        if tokens:
             return (
                 f"--max-total-tokens {self.max_tokens:,} reached{part}: {self.spent:,} tokens "
                 f"spent, {self.held_in + self.held_out:,} in flight, the next request may take "

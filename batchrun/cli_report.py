@@ -75,6 +75,8 @@ def summary_line(report: JobReport) -> str:
         text += f" | the server refused response_format, sent without it: {stats.guided_refused}"
     if stats.aborted:
         text += f" | ABORTED: {stats.aborted}"
+        if not open_items(counts):  # it stopped with its last follow-up: all are answered
+            text += " (nothing is left to send: the job is complete)"
     elif stats.interrupted and counts["pending"]:
         text += " | interrupted; run `batchrun resume " + name + "` to continue"
     elif open_items(counts):  # other workers' items, a batch cancelled, expired or still running

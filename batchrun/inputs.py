@@ -23,6 +23,7 @@ from batchrun.line_shape import (
     LONG_DIGITS,
     LineProblem,
     batch_shape,
+    counts_checked,
     only_calls,
     plain_shape,
     refuse_wide_integers,
@@ -180,6 +181,7 @@ class InputReader:
             endpoint, body, item_id, meta = plain_shape(obj, self.endpoint)
         if item_id is None:
             item_id = str(number)
+        counts_checked(body)
         if body.get("tools") and only_calls(body.get("tool_choice")):
             raise LineProblem(
                 "asks for nothing but a tool call ('tool_choice'), and batchrun keeps text "

@@ -147,8 +147,12 @@ def estimate_request_tokens(body: dict[str, Any]) -> int:
 
 def estimate_split(body: dict[str, Any]) -> tuple[int, int]:
     """The same estimate in its two parts (prompt, output): budgets price them apart."""
-    limit = body.get("max_tokens") or body.get("max_completion_tokens") or DEFAULT_MAX_TOKENS
-    return estimate_tokens(prompt_chars(body)), (limit if isinstance(limit, int) else 0)
+    # Both may be sent (a line's max_completion_tokens over the job's --max-tokens), and
+    # servers differ in which they obey: the larger bounds the answer. `n` answers are paid.
+    limits = [body.get(k) for k in ("max_tokens", "max_completion_tokens")]
+    limit = max((x for x in limits if isinstance(x, int)), default=DEFAULT_MAX_TOKENS)
+    n = body.get("n")
+    return estimate_tokens(prompt_chars(body)), limit * (n if isinstance(n, int) and n > 1 else 1)
 
 
 DEFAULT_MAX_TOKENS = 256  # assumed when a request does not say

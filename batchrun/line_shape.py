@@ -100,6 +100,26 @@ def item_id_of(obj: dict[str, Any], key: str) -> str | None:
     return text
 
 
+COUNTS = ("max_tokens", "max_completion_tokens", "n")  # what a budget's estimate reads
+
+
+def counts_checked(body: dict[str, Any]) -> None:
+    """A line's token limits and `n` are what a budget holds back for its answer, so they are
+    whole numbers above 0: a whole float (a pandas export's `50.0`) is taken as the integer,
+    and `null` (a pandas export's missing value) as not given (the job's default applies);
+    anything else is a bad line, rather than a request the budget cannot bound."""
+    for key in COUNTS:
+        if key not in body:
+            continue
+        value = body[key]
+        if value is None:
+            del body[key]
+        elif isinstance(value, float) and value.is_integer() and 0 < value < 2**31:
+            body[key] = int(value)
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LineProblem(f"{key!r} must be a whole number above 0, got {value!r}"[:200])
+
+
 def only_calls(choice: Any) -> bool:
     """A tool_choice that allows no text answer: "required", or a function named."""
     return choice == "required" or isinstance(choice, dict)

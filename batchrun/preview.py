@@ -10,6 +10,7 @@ from batchrun.budget import Budget
 from batchrun.config import RunSpec
 from batchrun.ledger import Ledger
 from batchrun.limiter import estimate_split
+from batchrun.structured import MAX_LONGER
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ def preview(ledger: Ledger, name: str, spec: RunSpec) -> Preview:
         name,
         key,
         reuse_since=reuse.since(spec),
-        estimate=lambda body: estimate_split({**defaults, **body}),
+        estimate=lambda body: with_follow_ups(estimate_split({**defaults, **body}), spec),
     )
     tokens, cost = tokens_in + tokens_out, None
     if spec.price_in is not None or spec.price_out is not None:
@@ -54,3 +55,21 @@ def preview(ledger: Ledger, name: str, spec: RunSpec) -> Preview:
             tokens_in, tokens_out
         )
     return Preview(send, repeated, reused, tokens, cost, model_known=spec.model is not None)
+
+
+def with_follow_ups(first: tuple[int, int], spec: RunSpec) -> tuple[int, int]:
+    """A request's tokens at most with the follow-ups a run may send for it: each longer retry
+    (--on-truncate retry-longer: its prompt again, max_tokens doubled up to the cap), then
+    each repair (--repair-attempts, with a schema: the prompt and the answer shown back)."""
+    prompt, limit = first
+    total_in, total_out = first
+    if spec.on_truncate == "retry-longer":
+        for _ in range(MAX_LONGER):
+            if limit >= spec.max_tokens_cap:
+                break
+            limit = min(spec.max_tokens_cap, limit * 2)
+            total_in, total_out = total_in + prompt, total_out + limit
+    if spec.schema:
+        total_in += spec.repair_attempts * (prompt + limit)
+        total_out += spec.repair_attempts * limit
+    return total_in, total_out

@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from batchrun.budget import Budget
+from batchrun.budget import Budget, BudgetReached
 from batchrun.config import RunSpec
 from batchrun.controller import Change
 from batchrun.errors import (
@@ -88,6 +88,7 @@ class Runner:
             say=progress.say if progress is not None else None,
         )
         self._sharing = 1  # workers the --rpm/--tpm budget is shared between
+        self._budget_stop = False  # the run stopped at its budget (see _drain_on_stop)
         self._looking = anyio.Lock()  # one look at the job's spending at a time
         self._given = self._committed = 0  # results given to the writer, and committed, so far
         self._limit_log: deque[tuple[float, int, str]] = deque(maxlen=20)
@@ -156,7 +157,7 @@ class Runner:
 
     def _abort(self, error: BatchrunError) -> None:
         if self.stats.aborted is None:
-            self.stats.aborted = str(error)
+            self.stats.aborted, self._budget_stop = str(error), isinstance(error, BudgetReached)
             self.log.event("abort", error=str(error), kind=type(error).__name__)
         self._stopping.set()
 
@@ -292,8 +293,8 @@ class Runner:
                     workers.start_soon(self._worker, work_recv.clone(), results_send.clone())
 
     async def _drain_on_stop(self) -> None:
-        await self._stopping.wait()
-        await anyio.sleep(self.settings.drain_timeout)
+        await self._stopping.wait()  # a budget's stop lets what it admitted finish: paid for
+        await anyio.sleep(self.spec.timeout if self._budget_stop else self.settings.drain_timeout)
         if self._workers_scope is not None:
             self._workers_scope.cancel()
 

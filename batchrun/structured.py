@@ -153,8 +153,8 @@ class AnswerPlan:
             return None
         if not sent and self.repairing:
             self.repairs, self.repairing = self.repairs - 1, False
-        if self.check is None:
-            return Outcome("done", None, None)
+        if self.check is None:  # a longer retry that did not come: why the answer is cut
+            return Outcome("done", None, error)
         verdict = self.check.check(self.last.text, self.last.finish_reason)
         if verdict.ok:
             return Outcome("done", verdict.parsed, None)

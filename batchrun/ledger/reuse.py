@@ -262,7 +262,8 @@ def preview(
     # In request order, so that a request's lines come together: only the one before is kept.
     query = (
         select(items.c.endpoint, items.c.digest, items.c.body, answered)
-        .where(items.c.job == job, items.c.status == "pending")
+        # running too: a run's claims, sent by it, or by the next if it is gone (kill -9)
+        .where(items.c.job == job, items.c.status.in_(("pending", "running")))
         .order_by(items.c.endpoint, items.c.digest, items.c.line)
         .execution_options(yield_per=WRITE_BATCH)
     )

@@ -286,7 +286,7 @@ class SimModel:
         tokens = self._json_tokens(request, rng)
         if tokens is None:
             tokens = [tag, *(" " + rng.choice(WORDS) for _ in range(wanted - 1))]
-        limit = request.get("max_tokens") or request.get("max_completion_tokens")
+        limit = request.get("max_completion_tokens") or request.get("max_tokens")  # as vLLM
         n_out, finish = len(tokens), "stop"
         if isinstance(limit, int) and 0 < limit < n_out:
             n_out, finish = limit, "length"
