@@ -351,21 +351,24 @@ def resolve(
 def _moved(merged: dict[str, Any], layer: dict[str, Any]) -> None:
     """Before `layer` is laid over `merged`: where it names another server, what belonged to
     the old one goes. A new preset over an earlier one brings its own URL and key variable
-    (over a bare URL and key, a spec file's, it only adds its quirks). A URL elsewhere over a
-    service at its own address (a hosted API's, the simulator's) is another server: a custom
-    one, and the hosted key variable is not sent there unless this layer names it. A load
-    page URL (--server-metrics) was the old server's too: `auto` reads the new one's."""
+    (over a URL and key given, a spec file's or a custom job's, it only adds its quirks). A
+    URL elsewhere over a service at its own address (a hosted API's, the simulator's) is
+    another server: a custom one, and the hosted key variable is not sent there unless this
+    layer names it. A load page URL (--server-metrics) was the old server's too: `auto`
+    reads the new one's."""
     before, url, old_url = merged.get("backend"), layer.get("base_url"), merged.get("base_url")
     moved = bool(url and old_url) and _host(str(url)) != _host(str(old_url))
     switched = layer.get("backend") not in (None, before)
     page = merged.get("server_metrics") not in (None, "auto", "off")
     if (moved or switched) and page and not layer.get("server_metrics"):
         merged.pop("server_metrics")
-    if before is not None and switched:
-        merged.pop("base_url", None)
-        merged.pop("api_key_env", None)
-        return
     preset = PRESETS.get(str(before))
+    if before is not None and switched:  # what the old preset brought goes; a URL given stays
+        if preset is None or str(old_url or "").rstrip("/") == preset.base_url:
+            merged.pop("base_url", None)
+        if preset is None or merged.get("api_key_env") == preset.api_key_env:
+            merged.pop("api_key_env", None)
+        return
     if not url or layer.get("backend") or preset is None or not preset.at_its_address:
         return
     if _host(url) != _host(merged.get("base_url") or preset.base_url):

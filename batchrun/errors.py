@@ -35,7 +35,7 @@ def _restored(cls: type[BatchrunError], args: tuple[Any, ...], state: dict[str, 
 class RequestError(BatchrunError):
     """A request to the endpoint did not produce a usable completion."""
 
-    asked_again: str | None = None  # as Completion.asked_again: an ask before this one
+    asked_again: tuple[str, ...] = ()  # as Completion.asked_again: the asks before this one
 
     def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message)

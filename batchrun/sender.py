@@ -121,11 +121,12 @@ class Sender:
                 **fields,
             )
 
-        def asked_again(why: str | None) -> None:
-            """The attempt asked twice (an empty stream, a refused stream_options): the first
-            ask is a request of its own, counted and logged (not charged: one attempt)."""
+        def asked_again(whys: tuple[str, ...]) -> None:
+            """The attempt asked more than once (an empty stream, a refused stream_options):
+            each ask before the last is a request of its own, counted and logged (not
+            charged: one attempt)."""
             nonlocal attempts, sent_here
-            if why is not None:
+            for why in whys:
                 log_attempt("error", error=why)
                 attempts += 1
                 sent_here += 1

@@ -82,7 +82,7 @@ def validate(spec: RunSpec, preset: Preset | None, *, stored: bool = False) -> N
         raise OptionError("{outage_timeout} must be 0 or more")
     if spec.lease < 1:
         raise OptionError("{lease} must be at least 1 second")
-    if spec.max_cost is not None and (spec.price_in is None or spec.price_out is None):
+    if not stored and spec.max_cost is not None and None in (spec.price_in, spec.price_out):
         raise OptionError("{max_cost} needs {price_in} and {price_out} (per million tokens)")
     budget = "max_total_tokens" if spec.max_total_tokens is not None else "max_cost"
     if getattr(spec, budget) is not None and spec.max_tokens is None:

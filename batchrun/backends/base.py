@@ -58,9 +58,10 @@ class Completion:
     # total_time), in seconds.
     server_timing: dict[str, float] | None = None
     http_status: int = 200  # the answer's HTTP status (any 2xx is an answer)
-    # Why the attempt asked again (an empty stream, a refused stream_options): the first
-    # ask is a request of its own, counted in `attempts` and logged.
-    asked_again: str | None = None
+    # Why the attempt asked again, once per ask before the one that answered (an empty
+    # stream, a refused stream_options, a closed connection): each a request of its own,
+    # counted in `attempts` and logged.
+    asked_again: tuple[str, ...] = ()
 
 
 class Watch(Protocol):

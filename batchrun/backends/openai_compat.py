@@ -168,12 +168,12 @@ class OpenAICompatBackend:
             with anyio.CancelScope(deadline=anyio.current_time() + self.timeout):
                 try:
                     completion = await self._complete(request, watch, again)
-                    return replace(completion, asked_again=again[0]) if again else completion
+                    return replace(completion, asked_again=tuple(again)) if again else completion
                 except TimeoutError:  # a transport's own (an injected one)
                     pass
             raise RequestTimeout(f"no complete answer within {self.timeout:g}s")
         except RequestError as exc:
-            exc.asked_again = again[0] if again else None
+            exc.asked_again = tuple(again)
             raise self._scrub(exc) from None
 
     async def _complete(
@@ -194,6 +194,7 @@ class OpenAICompatBackend:
             try:
                 return await self._complete_once(request, stream=False)
             except ConnectionFailed:  # it closed the connection the stream came on
+                again.append("the connection closed before the plain ask was answered; asked again")
                 return await self._complete_once(request, stream=False)
 
     async def _complete_once(

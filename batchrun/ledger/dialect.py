@@ -62,7 +62,7 @@ REFUSALS = (
 
 # What SQLAlchemy's SQLite driver reads from a plain (not `uri=true`) URL's query; anything
 # else there is SQLite's own URI syntax, which only a URI opens (else silently dropped).
-PLAIN_SQLITE_QUERY = {"timeout", "isolation_level", "detect_types", "check_same_thread"}
+PLAIN_SQLITE_QUERY = {"timeout", "detect_types", "check_same_thread", "cached_statements", "uri"}
 
 
 def parsed_url(url: str) -> URL:
@@ -74,13 +74,20 @@ def parsed_url(url: str) -> URL:
         found = make_url(url)
     except (ArgumentError, ValueError):
         raise LedgerError("not a ledger URL (is its port a number?)") from None
+    try:  # SQLite's busy timeout, in seconds
+        float(str(found.query.get("timeout", 0)))
+    except ValueError:
+        raise LedgerError("the ledger URL's timeout= must be a number of seconds") from None
     if "@" in (found.host or ""):
         raise LedgerError("the ledger URL's host holds an '@': write one in a password as %40")
-    uri_only = (found.database or "").startswith("file:") or set(found.query) - PLAIN_SQLITE_QUERY
-    if found.get_backend_name() == "sqlite" and uri_only and not _is_uri(found):
+    as_file = (found.database or "").startswith("file:")
+    uri_only = as_file or bool(set(found.query) - PLAIN_SQLITE_QUERY)
+    if found.get_backend_name() == "sqlite" and uri_only and not (as_file and _is_uri(found)):
+        # without uri=true SQLite's options are dropped; without file: the path, query and
+        # all, is taken for a file name (a new empty ledger beside the real one)
         raise LedgerError(
-            "an SQLite ledger URL with file: or query options is read by SQLite only as a URI: "
-            "add uri=true (sqlite:///file:/path/ledger.db?mode=ro&uri=true)"
+            "an SQLite URI needs both file: and uri=true: sqlite:///file:/path/ledger.db"
+            "?mode=ro&uri=true"
         )
     return found
 
@@ -165,10 +172,11 @@ class Dialect:
             # no -shm to share, and none can be made: read the file as it lies (no writer is
             # at work: it would have left its -wal and -shm beside it)
             url = make_url(url).update_query_dict({"immutable": "1"}).render_as_string(False)
-        engine = create_engine(
-            url, connect_args={"check_same_thread": False, "timeout": BUSY_TIMEOUT_MS / 1000}
-        )
-        event.listen(engine, "connect", _sqlite_pragmas)
+        given = make_url(url).query.get("timeout")  # the URL's own busy timeout (s), or ours
+        busy_ms = int(float(str(given)) * 1000) if given else None
+        wait_s = (busy_ms or BUSY_TIMEOUT_MS) / 1000
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": wait_s})
+        event.listen(engine, "connect", lambda conn, record: _sqlite_pragmas(conn, busy_ms))
         event.listen(engine, "begin", _sqlite_begin)
         return engine
 
@@ -298,12 +306,12 @@ def dialect_of(bind: Connection | Engine) -> Dialect:
     return DIALECTS[bind.dialect.name]
 
 
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+def _sqlite_pragmas(dbapi_connection: Any, busy_ms: int | None) -> None:
     # Let SQLAlchemy's "begin" event, not the driver, decide how transactions start.
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
     try:
-        cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        cursor.execute(f"PRAGMA busy_timeout = {busy_ms or BUSY_TIMEOUT_MS}")
         cursor.execute("PRAGMA journal_mode = WAL")
         cursor.execute("PRAGMA synchronous = FULL")
         cursor.execute("PRAGMA foreign_keys = ON")

@@ -136,7 +136,7 @@ def _v12_charged_attempts(conn: Connection) -> None:
 
 
 def _v13_answer_model(conn: Connection) -> None:
-    _add_column(conn, "items", "answer_model", "VARCHAR(200)")
+    _add_column(conn, "items", "answer_model", "TEXT")
 
 
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [

@@ -7,7 +7,19 @@ from operator import attrgetter
 from typing import Any
 
 import orjson
-from sqlalchemy import Row, RowMapping, Update, bindparam, case, func, literal_column, null, update
+from sqlalchemy import (
+    Engine,
+    Row,
+    RowMapping,
+    Update,
+    bindparam,
+    case,
+    func,
+    inspect,
+    literal_column,
+    null,
+    update,
+)
 
 from batchrun.ledger.records import ClaimedItem, ItemResult, Job, StoredItem
 from batchrun.ledger.schema import items
@@ -27,6 +39,14 @@ def job_of(row: RowMapping) -> Job:
 
 
 STORED_COLUMNS = [items.c[f.name] for f in fields(StoredItem) if f.name in items.c]
+
+
+def stored_columns(engine: Engine) -> list[Any]:
+    """STORED_COLUMNS as a ledger an older batchrun made holds them (opened read-only, it is
+    not migrated): a column it lacks reads as null."""
+    have = {c["name"] for c in inspect(engine).get_columns("items")}
+    return [c if c.name in have else null().label(c.name) for c in STORED_COLUMNS]
+
 
 # What an item's results add up to over its runs; the rest of a result replaces the old.
 SUMMED = (

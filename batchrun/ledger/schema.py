@@ -127,7 +127,7 @@ items = Table(
     Column("charged", Integer, nullable=False, server_default="0"),
     # The model its answer was asked of (migration 13): the line's own, its endpoint's, or
     # the job's as the run that answered it had it (a resume may name another).
-    Column("answer_model", String(200)),
+    Column("answer_model", Text),  # a model named by its file path may be long
     # A batch's answer that needs a follow-up (a repair, a longer retry), JSON: the online
     # run judges it again and sends the follow-up, not the whole request (migration 7).
     Column("followup", Text),

@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from batchrun.errors import EmptyInput, InputError, JobExists
 from batchrun.ledger import gc, reuse, stats, workers
 from batchrun.ledger.chunks import ChunkStore
-from batchrun.ledger.dialect import HURRY_OPTION, IDLE_OPTION, WRITE_OPTION, dialect_of
+from batchrun.ledger.dialect import HURRY_OPTION, IDLE_OPTION, WRITE_OPTION, dialect_of, read_only
 from batchrun.ledger.driver import Many
 from batchrun.ledger.engine import shown_ledger, storage_errors
 from batchrun.ledger.gc import Collected
@@ -41,6 +41,7 @@ from batchrun.ledger.rows import (
     recording,
     requeueing,
     result_row,
+    stored_columns,
     stored_of,
 )
 from batchrun.ledger.schema import OPEN_STATUSES, items, jobs
@@ -53,6 +54,7 @@ class Ledger:
         self.engine = ready_engine(url, engine)
         self.dialect = dialect_of(self.engine)
         self.where = shown_ledger(url)  # errors name it
+        self._stored = stored_columns(self.engine) if read_only(url) else STORED_COLUMNS
         self.chunks = ChunkStore(self)  # hosted Batch API batches (chunks.py)
         self._recorders: dict[bool, Many] = {}  # record's statement, by `batched`
         self.hurried = False  # a run told to stop now: its writes wait 1 s for SQLite's lock
@@ -172,10 +174,11 @@ class Ledger:
         items that dead workers held go back to pending: how many. While other workers run
         the job, `spec` must agree with the job's on the keys in `same` (the options that
         change an answer), or OptionError says which differ, and nothing changes."""
-        self.idle_ms = max(1000, int(ttl * 1000))  # the run's writes from here on (dialect.py)
         with self._write("joining the job") as conn:
             joining, stored = Joining(spec or {}, same, ttl), spec is not None
-            return workers.join_as(conn, name, worker, joining, store=stored, reclaim_dead=True)
+            back = workers.join_as(conn, name, worker, joining, store=stored, reclaim_dead=True)
+        self.idle_ms = max(1000, int(ttl * 1000))  # joined: the run's writes (dialect.py)
+        return back
 
     def heartbeat(
         self,
@@ -389,7 +392,7 @@ class Ledger:
     ) -> Iterator[StoredItem]:
         """Every item of the job in input order, streamed in pages (constant memory); with
         `models`, each with the model its line asked for, if any."""
-        last, columns = 0, [*STORED_COLUMNS, *([items.c.body] if models else [])]
+        last, columns = 0, [*self._stored, *([items.c.body] if models else [])]
         while True:
             with self._read("reading results") as conn:
                 rows = (

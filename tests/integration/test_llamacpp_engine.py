@@ -84,7 +84,9 @@ def test_a_prompt_over_the_context_window_fails_alone_with_the_servers_message(
     rows = _results(cli, "in")
     assert [r["status"] for r in rows] == ["done"] * 7 + ["failed"] + ["done"] * 12
     assert "maximum context length is 512 tokens" in rows[7]["error"]
-    assert rows[7]["attempts"] == 1  # a 400 is not retried
+    # the empty stream, then the plain ask that says why (a 400): two requests, each counted
+    # (README: `attempts` counts every request sent), and the 400 is not retried
+    assert rows[7]["attempts"] == 2
 
 
 def test_the_server_dies_midway_comes_back_and_resume_completes_the_job(
