@@ -342,9 +342,8 @@ def resolve(
     merged["base_url"] = str(merged["base_url"]).rstrip("/")
     merged.setdefault("api_key_env", preset.api_key_env)
     spec = RunSpec(**merged)
-    validate(
-        spec, preset if endpoint_required else None, stored=stored
-    )  # the key is needed when it runs
+    needs_key = preset if endpoint_required else None  # the key is needed when it runs
+    validate(spec, needs_key, stored=stored)
     return spec
 
 

@@ -72,18 +72,12 @@ def validate(spec: RunSpec, preset: Preset | None, *, stored: bool = False) -> N
         raise OptionError(f"{{on_truncate}} must be one of {', '.join(ON_TRUNCATE)}")
     if spec.max_tokens_cap < 1:
         raise OptionError("{max_tokens_cap} must be at least 1")
-    if spec.on_truncate == "retry-longer" and spec.max_tokens_cap <= (spec.max_tokens or 0):
-        raise OptionError("{max_tokens_cap} must be above {max_tokens} to retry longer")
-    if (spec.temperature or 0) < 0 or not 0 < (1 if spec.top_p is None else spec.top_p) <= 1:
-        raise OptionError("{temperature} must be 0 or more, and {top_p} above 0 and at most 1")
     if spec.timeout <= 0:
         raise OptionError("{timeout} must be positive")
     if spec.outage_timeout < 0:
         raise OptionError("{outage_timeout} must be 0 or more")
     if spec.lease < 1:
         raise OptionError("{lease} must be at least 1 second")
-    if not stored and spec.max_cost is not None and None in (spec.price_in, spec.price_out):
-        raise OptionError("{max_cost} needs {price_in} and {price_out} (per million tokens)")
     budget = "max_total_tokens" if spec.max_total_tokens is not None else "max_cost"
     if getattr(spec, budget) is not None and spec.max_tokens is None:
         # an answer's length bounds what a request may cost: without it no estimate holds
@@ -99,11 +93,25 @@ def validate(spec: RunSpec, preset: Preset | None, *, stored: bool = False) -> N
         value = getattr(spec, name)
         if value is not None and value < 1:
             raise OptionError(f"{{{name}}} must be at least 1")
-    if spec.api_key_env and not stored and (why := not_a_name(spec.api_key_env)):
-        # not echoed: a key pasted where its variable's name goes must not reach a log
-        raise OptionError("{api_key_env} " + why)
+    if not stored:  # a job's own spec read back was checked when it was given
+        _given_rules(spec)
     if preset is not None and preset.key_required and spec.api_key() is None:
         raise OptionError(
             f"backend {preset.name} needs an API key: set the environment variable "
             f"{spec.api_key_env} (or name another with {{api_key_env}})"
         )
+
+
+def _given_rules(spec: RunSpec) -> None:
+    """Rules for options as they are given, not for a job's stored spec read back (`export`,
+    `cancel`): a rule added since, or a key variable not set here, must not lock its results
+    away."""
+    if spec.max_cost is not None and None in (spec.price_in, spec.price_out):
+        raise OptionError("{max_cost} needs {price_in} and {price_out} (per million tokens)")
+    if spec.on_truncate == "retry-longer" and spec.max_tokens_cap <= (spec.max_tokens or 0):
+        raise OptionError("{max_tokens_cap} must be above {max_tokens} to retry longer")
+    if (spec.temperature or 0) < 0 or not 0 < (1 if spec.top_p is None else spec.top_p) <= 1:
+        raise OptionError("{temperature} must be 0 or more, and {top_p} above 0 and at most 1")
+    if spec.api_key_env and (why := not_a_name(spec.api_key_env)):
+        # not echoed: a key pasted where its variable's name goes must not reach a log
+        raise OptionError("{api_key_env} " + why)

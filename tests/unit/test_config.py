@@ -414,6 +414,22 @@ def test_request_defaults_all_fields() -> None:
     }
 
 
+def test_a_stored_spec_is_read_back_whatever_rules_came_since() -> None:
+    # export and cancel read a job's spec back: a rule added since it was stored (or a key
+    # variable not set here) must not lock its results away; a run with it is still refused.
+    old = {
+        "backend": "vllm",
+        "max_tokens": 4096,
+        "on_truncate": "retry-longer",
+        "temperature": -1.0,
+        "max_cost": 5.0,
+        "price_out": 2.0,
+    }
+    assert resolve(old, endpoint_required=False, stored=True).temperature == -1.0
+    with pytest.raises(UsageError):
+        resolve(old)
+
+
 def test_a_load_page_url_goes_with_the_server_it_was_given_for() -> None:
     # A job run with --server-metrics http://old:8000/metrics, resumed on another host: auto
     # reads the new server's page, not the old one's (the options review's suspicion).
