@@ -35,6 +35,12 @@ class ShareSpent(Exception):
     job spent, and at the workers alive, before the request is admitted (`admit` again)."""
 
 
+def money(amount: float) -> str:
+    """An amount as a budget's message says it: 4 decimals, or 2 figures where that would
+    round a cost that is not nothing to 0.0000."""
+    return f"{amount:.4f}" if amount == 0 or amount >= 0.00005 else f"{amount:.2g}"
+
+
 @dataclass
 class Budget:
     max_tokens: int | None = None
@@ -63,7 +69,7 @@ class Budget:
         if self.max_cost is not None:
             after = self.cost(tokens_in, tokens_out)
             if self._over(after, self.max_cost, self.cost(*self.looked), looked):
-                raise BudgetReached(self._said(f"{self.cost(est_in, est_out):.4f}", tokens=False))
+                raise BudgetReached(self._said(money(self.cost(est_in, est_out)), tokens=False))
         self.held_in += est_in
         self.held_out += est_out
 
@@ -88,10 +94,13 @@ class Budget:
                 f"spent, {self.held_in + self.held_out:,} in flight, the next request may take "
                 f"{next_takes}; resume with a higher --max-total-tokens to go on"
             )
-        spent = self.cost(self.spent_in, self.spent_out)
+        spent, held = (
+            self.cost(self.spent_in, self.spent_out),
+            self.cost(self.held_in, self.held_out),
+        )
         return (
-            f"--max-cost {self.max_cost:g} reached{part}: {spent:.4f} spent, the next request "
-            f"may cost {next_takes}; resume with a higher --max-cost"
+            f"--max-cost {self.max_cost:g} reached{part}: {money(spent)} spent, {money(held)} "
+            f"in flight, the next request may cost {next_takes}; resume with a higher --max-cost"
         )
 
     def settle(self, est_in: int, est_out: int, used: tuple[int, int] | None) -> None:

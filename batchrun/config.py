@@ -359,14 +359,13 @@ def _moved(merged: dict[str, Any], layer: dict[str, Any]) -> None:
     moved = bool(url and old_url) and _host(str(url)) != _host(str(old_url))
     switched = layer.get("backend") not in (None, before)
     page = merged.get("server_metrics") not in (None, "auto", "off")
-    if (moved or switched) and page and not layer.get("server_metrics"):
+    if (moved or switched or layer.get("endpoints")) and page and not layer.get("server_metrics"):
         merged.pop("server_metrics")
     preset = PRESETS.get(str(before))
     if before is not None and switched:  # what the old preset brought goes; a URL given stays
         if preset is None or str(old_url or "").rstrip("/") == preset.base_url:
-            merged.pop("base_url", None)
-        if preset is None or merged.get("api_key_env") == preset.api_key_env:
-            merged.pop("api_key_env", None)
+            merged.pop("base_url", None)  # ... and a key variable goes with its URL: an
+            merged.pop("api_key_env", None)  # OpenAI key must not follow the job to Groq
         return
     if not url or layer.get("backend") or preset is None or not preset.at_its_address:
         return

@@ -32,7 +32,7 @@ class TokenBucket:
     def share(self, fraction: float) -> None:
         """Keep `fraction` of the budget (this worker's part of a job's): rate and burst."""
         self.rate = self.per_minute / 60.0 * fraction
-        self.capacity = max(self.rate * 5, self.least)
+        self.capacity = max(self.rate * 5, self.least * fraction)  # the job's: one request
         self.level = min(self.level, self.capacity)
 
     def _refill(self, now: float) -> None:

@@ -4,13 +4,18 @@ tokens at most and cost, answers earlier jobs made, repeated lines."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import orjson
 
 from batchrun import reuse
 from batchrun.budget import Budget
 from batchrun.config import RunSpec
+from batchrun.inputs import estimate_tokens
 from batchrun.ledger import Ledger
 from batchrun.limiter import estimate_split
 from batchrun.structured import MAX_LONGER
+from batchrun.validate import ERROR_CHARS, REPAIR_INSTRUCTION, load_schema, schema_of
 
 
 @dataclass(frozen=True)
@@ -41,13 +46,14 @@ def preview(ledger: Ledger, name: str, spec: RunSpec) -> Preview:
     """What running the job now would send and cost, from its stored requests. Without
     --model, reuse is matched against the model named so far (a run asks the server first)."""
     defaults = spec.request_defaults()
+    job_schema = orjson.dumps(load_schema(spec.schema)) if spec.schema else None
     key = reuse.answer_spec(spec) if spec.reuse else None
 
     send, repeated, reused, (tokens_in, tokens_out) = ledger.preview(
         name,
         key,
         reuse_since=reuse.since(spec),
-        estimate=lambda body: with_follow_ups(estimate_split({**defaults, **body}), spec),
+        estimate=lambda body: with_follow_ups({**defaults, **body}, spec, job_schema),
     )
     tokens, cost = tokens_in + tokens_out, None
     if spec.price_in is not None or spec.price_out is not None:
@@ -57,19 +63,30 @@ def preview(ledger: Ledger, name: str, spec: RunSpec) -> Preview:
     return Preview(send, repeated, reused, tokens, cost, model_known=spec.model is not None)
 
 
-def with_follow_ups(first: tuple[int, int], spec: RunSpec) -> tuple[int, int]:
-    """A request's tokens at most with the follow-ups a run may send for it: each longer retry
-    (--on-truncate retry-longer: its prompt again, max_tokens doubled up to the cap), then
-    each repair (--repair-attempts, with a schema: the prompt and the answer shown back)."""
-    prompt, limit = first
-    total_in, total_out = first
+def with_follow_ups(
+    body: dict[str, Any], spec: RunSpec, job_schema: bytes | None
+) -> tuple[int, int]:
+    """A request's tokens at most (the job's defaults under the line's `body`) with the
+    follow-ups a run may send for it, as AnswerPlan sends them: each longer retry
+    (--on-truncate retry-longer: the prompt again, the limit the run grows doubled up to the
+    cap), then each repair with a schema, the job's or the line's own (the conversation so far
+    again, with each answer and a note holding the error and the schema)."""
+    prompt, out = estimate_split(body)
+    total_in, total_out = prompt, out
+    key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    given = body.get(key)
+    grown = given if isinstance(given, int) else out
     if spec.on_truncate == "retry-longer":
         for _ in range(MAX_LONGER):
-            if limit >= spec.max_tokens_cap:
+            if grown >= spec.max_tokens_cap:
                 break
-            limit = min(spec.max_tokens_cap, limit * 2)
-            total_in, total_out = total_in + prompt, total_out + limit
-    if spec.schema:
-        total_in += spec.repair_attempts * (prompt + limit)
-        total_out += spec.repair_attempts * limit
+            grown = min(spec.max_tokens_cap, grown * 2)
+            out = estimate_split({**body, key: grown})[1]
+            total_in, total_out = total_in + prompt, total_out + out
+    own = schema_of(body.get("response_format"))
+    schema = orjson.dumps(own) if own is not None else job_schema
+    if schema is not None:
+        note = estimate_tokens(len(REPAIR_INSTRUCTION) + len(schema) + ERROR_CHARS)
+        for k in range(1, spec.repair_attempts + 1):
+            total_in, total_out = total_in + prompt + k * (out + note), total_out + out
     return total_in, total_out

@@ -74,7 +74,6 @@ class Runner:
         self.owner = self.settings.worker or uuid.uuid4().hex
         self.stats = RunStats()
         self.answer_spec = answer_spec(spec)  # recorded with each result, for later reuse
-        retries = spec.retries
         self.fleet = Fleet(
             [self._lane(route) for route in routes],
             clock=self.settings.clock,
@@ -83,17 +82,15 @@ class Runner:
         )
         self._db = LedgerCalls(
             self.settings,
-            outage_timeout=retries.outage_timeout,
+            outage_timeout=spec.outage_timeout,
             log=log,
             say=progress.say if progress is not None else None,
         )
         self._sharing = 1  # workers the --rpm/--tpm budget is shared between
-        self._budget_stop = False  # the run stopped at its budget (see _drain_on_stop)
+        self._budget_stop: anyio.Event | None = None  # set: a Ctrl-C during a budget's stop
         self._looking = anyio.Lock()  # one look at the job's spending at a time
         self._given = self._committed = 0  # results given to the writer, and committed, so far
         self._limit_log: deque[tuple[float, int, str]] = deque(maxlen=20)
-        if progress is not None:
-            progress.concurrency = self.fleet.limit
         self.feeder = Feeder(
             ledger,
             self._db,
@@ -106,10 +103,11 @@ class Runner:
         )
         self._stopping = self.feeder.stopping
         if progress is not None:
+            progress.concurrency = self.fleet.limit
             progress.on_raised = self._stopping.set  # a callback raised: stop as on Ctrl-C
         # A retry's wait ends at a stop; the retry then is not sent (the sender's check).
         sleep = until_set(self._stopping, self.settings.sleep)
-        self.policy = RetryPolicy(retries.max_attempts, self.fleet, sleep=sleep)
+        self.policy = RetryPolicy(spec.max_attempts, self.fleet, sleep=sleep)
         self._workers_scope: anyio.CancelScope | None = None
         self.rules = rules or OutputRules()
         self.sender = Sender(
@@ -137,13 +135,13 @@ class Runner:
         outage = OutageWatch(route.spec.outage_timeout, clock=s.clock)
         return Lane(route, throttle, outage, answer_spec(route.spec))
 
-    # --- control --------------------------------------------------------------------------
-
     def request_stop(self, signum: int | None = None) -> None:
-        """Ctrl-C / SIGTERM (`signum`): stop taking work; in-flight requests get a short grace.
-
-        A second call stops in-flight requests at once (what finished is still committed)."""
-        if self._stopping.is_set() and self._workers_scope is not None:
+        """Ctrl-C / SIGTERM (`signum`): stop taking work; in-flight requests get a short grace. A
+        second call stops them at once (what finished is still committed)."""
+        waiting = self._budget_stop is not None and not self._budget_stop.is_set()
+        if self._budget_stop is not None:  # it let its requests finish: now the usual grace
+            self._budget_stop.set()
+        if self._stopping.is_set() and self._workers_scope is not None and not waiting:
             self._workers_scope.cancel()
             self._hurry()  # "stop now": the last commit and release wait out no lock
         elif self.progress is not None:
@@ -157,11 +155,10 @@ class Runner:
 
     def _abort(self, error: BatchrunError) -> None:
         if self.stats.aborted is None:
-            self.stats.aborted, self._budget_stop = str(error), isinstance(error, BudgetReached)
+            self.stats.aborted = str(error)
+            self._budget_stop = anyio.Event() if isinstance(error, BudgetReached) else None
             self.log.event("abort", error=str(error), kind=type(error).__name__)
         self._stopping.set()
-
-    # --- the run --------------------------------------------------------------------------
 
     async def run(self) -> RunStats:
         try:  # from the join on: whatever ends the run, the worker leaves
@@ -293,8 +290,11 @@ class Runner:
                     workers.start_soon(self._worker, work_recv.clone(), results_send.clone())
 
     async def _drain_on_stop(self) -> None:
-        await self._stopping.wait()  # a budget's stop lets what it admitted finish: paid for
-        await anyio.sleep(self.spec.timeout if self._budget_stop else self.settings.drain_timeout)
+        await self._stopping.wait()
+        if self._budget_stop is not None:  # it lets what it admitted finish (paid for),
+            with anyio.move_on_after(self.spec.timeout):  # until a Ctrl-C
+                await self._budget_stop.wait()
+        await anyio.sleep(self.settings.drain_timeout)
         if self._workers_scope is not None:
             self._workers_scope.cancel()
 

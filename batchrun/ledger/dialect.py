@@ -75,8 +75,10 @@ def parsed_url(url: str) -> URL:
     except (ArgumentError, ValueError):
         raise LedgerError("not a ledger URL (is its port a number?)") from None
     try:  # SQLite's busy timeout, in seconds
-        float(str(found.query.get("timeout", 0)))
+        wait = float(str(found.query.get("timeout", 0)))
     except ValueError:
+        wait = -1.0
+    if not 0 <= wait < 86400 * 365:  # inf, nan, negative
         raise LedgerError("the ledger URL's timeout= must be a number of seconds") from None
     if "@" in (found.host or ""):
         raise LedgerError("the ledger URL's host holds an '@': write one in a password as %40")
@@ -173,8 +175,8 @@ class Dialect:
             # at work: it would have left its -wal and -shm beside it)
             url = make_url(url).update_query_dict({"immutable": "1"}).render_as_string(False)
         given = make_url(url).query.get("timeout")  # the URL's own busy timeout (s), or ours
-        busy_ms = int(float(str(given)) * 1000) if given else None
-        wait_s = (busy_ms or BUSY_TIMEOUT_MS) / 1000
+        busy_ms = None if given is None else int(float(str(given)) * 1000)
+        wait_s = (BUSY_TIMEOUT_MS if busy_ms is None else busy_ms) / 1000
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": wait_s})
         event.listen(engine, "connect", lambda conn, record: _sqlite_pragmas(conn, busy_ms))
         event.listen(engine, "begin", _sqlite_begin)
@@ -218,6 +220,9 @@ class Dialect:
         """The database cannot be reached at the moment (a server restarting, a connection
         dropped): worth waiting for, unlike a full disk or a broken rule."""
         return False
+
+    def as_text(self, conn: Connection, table: str, column: str) -> None:
+        """Make a column unbounded text (SQLite's columns hold any length already)."""
 
     def conflict(self, exc: SQLAlchemyError) -> bool:
         """The transaction lost to another (a deadlock): it may simply run again. (SQLite's
@@ -265,6 +270,9 @@ class Postgres(Dialect):
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             conn.exec_driver_sql("VACUUM items")
 
+    def as_text(self, conn: Connection, table: str, column: str) -> None:
+        conn.exec_driver_sql(f"ALTER TABLE {table} ALTER COLUMN {column} TYPE TEXT")
+
     def conflict(self, exc: SQLAlchemyError) -> bool:
         return _sqlstate(exc) in CONFLICT_STATES
 
@@ -311,7 +319,7 @@ def _sqlite_pragmas(dbapi_connection: Any, busy_ms: int | None) -> None:
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
     try:
-        cursor.execute(f"PRAGMA busy_timeout = {busy_ms or BUSY_TIMEOUT_MS}")
+        cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS if busy_ms is None else busy_ms}")
         cursor.execute("PRAGMA journal_mode = WAL")
         cursor.execute("PRAGMA synchronous = FULL")
         cursor.execute("PRAGMA foreign_keys = ON")

@@ -139,6 +139,12 @@ def _v13_answer_model(conn: Connection) -> None:
     _add_column(conn, "items", "answer_model", "TEXT")
 
 
+def _v14_answer_model_text(conn: Connection) -> None:
+    """Migration 13 made answer_model VARCHAR(200) for a day: a model named by its file path
+    is longer, and PostgreSQL refused the whole group commit."""
+    dialect_of(conn).as_text(conn, "items", "answer_model")
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "initial jobs and items", _v1_initial),
     (2, "jobs.limit_history for --concurrency auto", _v2_limit_history),
@@ -157,6 +163,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (11, "item ids unique by their md5 where index entries are limited", _v11_long_ids),
     (12, "items.charged: --max-attempts goes on across a stopped run", _v12_charged_attempts),
     (13, "items.answer_model: the model each answer was asked of", _v13_answer_model),
+    (14, "items.answer_model as unbounded text", _v14_answer_model_text),
 ]
 
 

@@ -35,13 +35,12 @@ from batchrun.ledger.records import (
     StoredItem,
 )
 from batchrun.ledger.rows import (
-    STORED_COLUMNS,
     as_json,
     job_of,
+    readable_columns,
     recording,
     requeueing,
     result_row,
-    stored_columns,
     stored_of,
 )
 from batchrun.ledger.schema import OPEN_STATUSES, items, jobs
@@ -54,7 +53,7 @@ class Ledger:
         self.engine = ready_engine(url, engine)
         self.dialect = dialect_of(self.engine)
         self.where = shown_ledger(url)  # errors name it
-        self._stored = stored_columns(self.engine) if read_only(url) else STORED_COLUMNS
+        self._stored, self._jobs = readable_columns(self.engine if read_only(url) else None)
         self.chunks = ChunkStore(self)  # hosted Batch API batches (chunks.py)
         self._recorders: dict[bool, Many] = {}  # record's statement, by `batched`
         self.hurried = False  # a run told to stop now: its writes wait 1 s for SQLite's lock
@@ -82,12 +81,12 @@ class Ledger:
 
     def get_job(self, name: str) -> Job | None:
         with self._read("reading a job") as conn:
-            row = conn.execute(select(jobs).where(jobs.c.name == name)).mappings().first()
+            row = conn.execute(select(*self._jobs).where(jobs.c.name == name)).mappings().first()
         return job_of(row) if row else None
 
     def list_jobs(self) -> list[Job]:
         with self._read("listing jobs") as conn:
-            rows = conn.execute(select(jobs).order_by(jobs.c.created_at)).mappings().all()
+            rows = conn.execute(select(*self._jobs).order_by(jobs.c.created_at)).mappings().all()
         return [job_of(r) for r in rows]
 
     def mark_finished(self, name: str, finished: bool) -> bool:
