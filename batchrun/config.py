@@ -363,7 +363,9 @@ def _moved(merged: dict[str, Any], layer: dict[str, Any]) -> None:
         merged.pop("server_metrics")
     preset = PRESETS.get(str(before))
     if before is not None and switched:  # what the old preset brought goes; a URL given stays
-        if preset is None or str(old_url or "").rstrip("/") == preset.base_url:
+        # (with several endpoints the stored URL is the first's, kept for messages only)
+        own = preset.base_url if preset is not None else None
+        if own is None or merged.get("endpoints") or str(old_url or "").rstrip("/") == own:
             merged.pop("base_url", None)  # ... and a key variable goes with its URL: an
             merged.pop("api_key_env", None)  # OpenAI key must not follow the job to Groq
         return

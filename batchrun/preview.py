@@ -68,25 +68,24 @@ def with_follow_ups(
 ) -> tuple[int, int]:
     """A request's tokens at most (the job's defaults under the line's `body`) with the
     follow-ups a run may send for it, as AnswerPlan sends them: each longer retry
-    (--on-truncate retry-longer: the prompt again, the limit the run grows doubled up to the
-    cap), then each repair with a schema, the job's or the line's own (the conversation so far
-    again, with each answer and a note holding the error and the schema)."""
+    (--on-truncate retry-longer: the limit the run grows doubled up to the cap, after any
+    answer cut short, a repair's too), and each repair with a schema, the job's or the line's
+    own (the conversation again, with each answer and a note holding the error and the
+    schema). Each request is priced at the longest conversation it could re-send."""
     prompt, out = estimate_split(body)
-    total_in, total_out = prompt, out
+    outs = [out]
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     given = body.get(key)
     grown = given if isinstance(given, int) else out
-    if spec.on_truncate == "retry-longer":
-        for _ in range(MAX_LONGER):
-            if grown >= spec.max_tokens_cap:
-                break
-            grown = min(spec.max_tokens_cap, grown * 2)
-            out = estimate_split({**body, key: grown})[1]
-            total_in, total_out = total_in + prompt, total_out + out
+    while spec.on_truncate == "retry-longer" and len(outs) <= MAX_LONGER:
+        if grown >= spec.max_tokens_cap:
+            break
+        grown = min(spec.max_tokens_cap, grown * 2)
+        outs.append(estimate_split({**body, key: grown})[1])
     own = schema_of(body.get("response_format"))
     schema = orjson.dumps(own) if own is not None else job_schema
-    if schema is not None:
-        note = estimate_tokens(len(REPAIR_INSTRUCTION) + len(schema) + ERROR_CHARS)
-        for k in range(1, spec.repair_attempts + 1):
-            total_in, total_out = total_in + prompt + k * (out + note), total_out + out
-    return total_in, total_out
+    repairs = spec.repair_attempts if schema is not None else 0
+    note = estimate_tokens(len(REPAIR_INSTRUCTION) + len(schema or b"") + ERROR_CHARS)
+    longest = prompt + repairs * (outs[-1] + note)
+    requests = len(outs) + repairs
+    return requests * longest, sum(outs) + repairs * outs[-1]

@@ -155,8 +155,9 @@ class Runner:
 
     def _abort(self, error: BatchrunError) -> None:
         if self.stats.aborted is None:
-            self.stats.aborted = str(error)
-            self._budget_stop = anyio.Event() if isinstance(error, BudgetReached) else None
+            self.stats.aborted, stopped = str(error), self._stopping.is_set()  # a Ctrl-C first
+            if isinstance(error, BudgetReached) and not stopped:
+                self._budget_stop = anyio.Event()
             self.log.event("abort", error=str(error), kind=type(error).__name__)
         self._stopping.set()
 
@@ -411,10 +412,9 @@ class Runner:
 
     def _report_progress(self, newly_done: int) -> None:
         assert self.progress is not None
-        by_status = self.stats.by_status
         self.progress.update(
             newly_done=newly_done,
             tokens=self.stats.output_tokens,
             retries=self.stats.retries,
-            failed=by_status.get("failed", 0) + by_status.get("invalid", 0),
+            failed=sum(self.stats.by_status.get(s, 0) for s in ("failed", "invalid")),
         )

@@ -78,15 +78,6 @@ def validate(spec: RunSpec, preset: Preset | None, *, stored: bool = False) -> N
         raise OptionError("{outage_timeout} must be 0 or more")
     if spec.lease < 1:
         raise OptionError("{lease} must be at least 1 second")
-    if not stored and spec.max_cost is not None and None in (spec.price_in, spec.price_out):
-        raise OptionError("{max_cost} needs {price_in} and {price_out} (per million tokens)")
-    budget = "max_total_tokens" if spec.max_total_tokens is not None else "max_cost"
-    if getattr(spec, budget) is not None and spec.max_tokens is None:
-        # an answer's length bounds what a request may cost: without it no estimate holds
-        raise OptionError(
-            f"{{{budget}}} needs {{max_tokens}}: without it an answer's length has no bound, "
-            "and one answer could pass the budget (a line's own max_tokens still wins)"
-        )
     for name in ("max_cost", "price_in", "price_out"):
         if (getattr(spec, name) or 0) < 0:
             raise OptionError(f"{{{name}}} must be 0 or more")
@@ -107,7 +98,16 @@ def validate(spec: RunSpec, preset: Preset | None, *, stored: bool = False) -> N
 def _given_rules(spec: RunSpec) -> None:
     """Rules for options as they are given, not for a job's stored spec read back (`export`,
     `cancel`): a rule added since, or a key variable not set here, must not lock its results
-    away (the price pair is one too, checked in its place above)."""
+    away."""
+    if spec.max_cost is not None and None in (spec.price_in, spec.price_out):
+        raise OptionError("{max_cost} needs {price_in} and {price_out} (per million tokens)")
+    budget = "max_total_tokens" if spec.max_total_tokens is not None else "max_cost"
+    if getattr(spec, budget) is not None and spec.max_tokens is None:
+        # an answer's length bounds what a request may cost: without it no estimate holds
+        raise OptionError(
+            f"{{{budget}}} needs {{max_tokens}}: without it an answer's length has no bound, "
+            "and one answer could pass the budget (a line's own max_tokens still wins)"
+        )
     if spec.on_truncate == "retry-longer" and spec.max_tokens_cap <= (spec.max_tokens or 0):
         raise OptionError("{max_tokens_cap} must be above {max_tokens} to retry longer")
     if (spec.temperature or 0) < 0 or not 0 < (1 if spec.top_p is None else spec.top_p) <= 1:

@@ -78,7 +78,7 @@ def parsed_url(url: str) -> URL:
         wait = float(str(found.query.get("timeout", 0)))
     except ValueError:
         wait = -1.0
-    if not 0 <= wait < 86400 * 365:  # inf, nan, negative
+    if not 0 <= wait * 1000 < 2**31:  # inf, nan, negative, past SQLite's 32-bit milliseconds
         raise LedgerError("the ledger URL's timeout= must be a number of seconds") from None
     if "@" in (found.host or ""):
         raise LedgerError("the ledger URL's host holds an '@': write one in a password as %40")

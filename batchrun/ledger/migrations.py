@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from sqlalchemy import Connection, Engine, inspect, select, text
+from sqlalchemy import Connection, Engine, event, inspect, select, text
 
 from batchrun.errors import LedgerError
 from batchrun.ledger.dialect import WRITE_OPTION, dialect_of, read_only
@@ -223,6 +223,28 @@ def current_version(engine: Engine) -> int:
     return max(versions, default=0)
 
 
+def _read_as_current(engine: Engine) -> None:
+    """A ledger an older batchrun made, opened read-only (migrating would write): each table
+    it lacks columns of is read, on every connection, through a temporary view of the same
+    name that adds them (0 for a count, else null); temporary objects need no write access."""
+    seen, views = inspect(engine), []
+    for table in (jobs, items, workers, chunks, waits):
+        if not seen.has_table(table.name):
+            continue
+        have = {c["name"] for c in seen.get_columns(table.name)}
+        added = [
+            f"{0 if c.server_default else 'NULL'} AS {c.name}"
+            for c in table.c
+            if c.name not in have
+        ]
+        if added:
+            shape = f"SELECT *, {', '.join(added)} FROM main.{table.name}"
+            views.append(f"CREATE TEMP VIEW {table.name} AS {shape}")
+    if views:
+        event.listen(engine, "connect", lambda conn, _record: [conn.execute(v) for v in views])
+        engine.dispose()  # connections made before have no views
+
+
 OPEN_PATIENCE_S = 30.0  # how long opening waits out another process making the ledger
 
 
@@ -238,8 +260,8 @@ def ready_engine(url: str, engine: Engine | None = None) -> Engine:
     while True:
         try:
             with storage_errors("opening the ledger", dialect, where):
-                if _due(engine) and not read_only(url):  # read-only: read at its own version
-                    migrate(engine)
+                if _due(engine):  # read-only: read as it is, through views of today's shape
+                    _read_as_current(engine) if read_only(url) else migrate(engine)
             return engine
         except LedgerError as exc:
             if not exc.busy or time.monotonic() > deadline:

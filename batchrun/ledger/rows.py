@@ -7,22 +7,10 @@ from operator import attrgetter
 from typing import Any
 
 import orjson
-from sqlalchemy import (
-    Engine,
-    Row,
-    RowMapping,
-    Update,
-    bindparam,
-    case,
-    func,
-    inspect,
-    literal_column,
-    null,
-    update,
-)
+from sqlalchemy import Row, RowMapping, Update, bindparam, case, func, literal_column, null, update
 
 from batchrun.ledger.records import ClaimedItem, ItemResult, Job, StoredItem
-from batchrun.ledger.schema import items, jobs
+from batchrun.ledger.schema import items
 from batchrun.ledger.stats import OWN_ANSWER
 from batchrun.prefixes import LINE_BITS
 
@@ -39,20 +27,6 @@ def job_of(row: RowMapping) -> Job:
 
 
 STORED_COLUMNS = [items.c[f.name] for f in fields(StoredItem) if f.name in items.c]
-
-
-def readable_columns(engine: Engine | None) -> tuple[list[Any], list[Any]]:
-    """What results and jobs are read with (STORED_COLUMNS, the jobs table's): with `engine`,
-    as a ledger an older batchrun made holds them (opened read-only, it is not migrated), a
-    column it lacks read as null."""
-    if engine is None:
-        return STORED_COLUMNS, list(jobs.c)
-    seen = inspect(engine)
-    have = {(t, c["name"]) for t in ("items", "jobs") for c in seen.get_columns(t)}
-    return (
-        [c if ("items", c.name) in have else null().label(c.name) for c in STORED_COLUMNS],
-        [c if ("jobs", c.name) in have else null().label(c.name) for c in jobs.c],
-    )
 
 
 # What an item's results add up to over its runs; the rest of a result replaces the old.

@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from batchrun.errors import EmptyInput, InputError, JobExists
 from batchrun.ledger import gc, reuse, stats, workers
 from batchrun.ledger.chunks import ChunkStore
-from batchrun.ledger.dialect import HURRY_OPTION, IDLE_OPTION, WRITE_OPTION, dialect_of, read_only
+from batchrun.ledger.dialect import HURRY_OPTION, IDLE_OPTION, WRITE_OPTION, dialect_of
 from batchrun.ledger.driver import Many
 from batchrun.ledger.engine import shown_ledger, storage_errors
 from batchrun.ledger.gc import Collected
@@ -35,9 +35,9 @@ from batchrun.ledger.records import (
     StoredItem,
 )
 from batchrun.ledger.rows import (
+    STORED_COLUMNS,
     as_json,
     job_of,
-    readable_columns,
     recording,
     requeueing,
     result_row,
@@ -53,7 +53,6 @@ class Ledger:
         self.engine = ready_engine(url, engine)
         self.dialect = dialect_of(self.engine)
         self.where = shown_ledger(url)  # errors name it
-        self._stored, self._jobs = readable_columns(self.engine if read_only(url) else None)
         self.chunks = ChunkStore(self)  # hosted Batch API batches (chunks.py)
         self._recorders: dict[bool, Many] = {}  # record's statement, by `batched`
         self.hurried = False  # a run told to stop now: its writes wait 1 s for SQLite's lock
@@ -81,12 +80,12 @@ class Ledger:
 
     def get_job(self, name: str) -> Job | None:
         with self._read("reading a job") as conn:
-            row = conn.execute(select(*self._jobs).where(jobs.c.name == name)).mappings().first()
+            row = conn.execute(select(jobs).where(jobs.c.name == name)).mappings().first()
         return job_of(row) if row else None
 
     def list_jobs(self) -> list[Job]:
         with self._read("listing jobs") as conn:
-            rows = conn.execute(select(*self._jobs).order_by(jobs.c.created_at)).mappings().all()
+            rows = conn.execute(select(jobs).order_by(jobs.c.created_at)).mappings().all()
         return [job_of(r) for r in rows]
 
     def mark_finished(self, name: str, finished: bool) -> bool:
@@ -391,7 +390,7 @@ class Ledger:
     ) -> Iterator[StoredItem]:
         """Every item of the job in input order, streamed in pages (constant memory); with
         `models`, each with the model its line asked for, if any."""
-        last, columns = 0, [*self._stored, *([items.c.body] if models else [])]
+        last, columns = 0, [*STORED_COLUMNS, *([items.c.body] if models else [])]
         while True:
             with self._read("reading results") as conn:
                 rows = (
