@@ -266,28 +266,7 @@ async def test_a_budget_stop_keeps_the_answers_it_already_admitted(tmp_path: Pat
     to pending and the budget counts it as nothing, so `resume` pays for it again. A budget
     has no reason to drop what it let through: it was within the limit."""
     engine = SlowFor("slow", delay=1.0, answer=40)
-    lines = [{"prompt": "fast one"}, {"prompt": "slow one"}, {"prompt": "third one"}]
-    home = Home.at(tmp_path, None)
-    ledger = Ledger(home.ledger_url)
-    spec = resolve(
-        {
-            "backend": "vllm",
-            "base_url": "http://engine.test/v1",
-            "model": "m",
-            "concurrency": 2,
-            "server_metrics": "off",
-            "order": "input",
-            "max_tokens": 40,
-            "max_total_tokens": 100,  # two of ~42 each fit, a third does not
-        }
-    )
-    path = tmp_path / "j.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    jobs.create_job(ledger, "j", path, spec)
-    settings = RunnerSettings(drain_timeout=0.1)
-    stats = await jobs.run_job(
-        ledger, home, "j", spec, transport=engine, settings=settings, handle_signals=False
-    )
+    stats, ledger = await run_to_the_budget(tmp_path, engine, RunnerSettings(drain_timeout=0.1))
     assert stats.aborted and "--max-total-tokens 100 reached" in stats.aborted
     done = {s.item_id: s.status for s in ledger.iter_results("j")}
     assert done == {"1": "done", "2": "done", "3": "pending"}, (
@@ -356,3 +335,32 @@ def test_the_preview_counts_the_items_a_killed_run_left(tmp_path: Path) -> None:
     again = batchrun.submit(path, job="j", home=tmp_path, run=False, on_message=said.append, **opts)
     assert again.preview is not None
     assert again.preview.send == 5 and again.preview.tokens == first.preview.tokens, said
+
+
+async def run_to_the_budget(
+    tmp_path: Path, engine: httpx.AsyncBaseTransport, settings: RunnerSettings
+) -> tuple[RunStats, Ledger]:
+    """Three lines at 2 in flight under --max-total-tokens 100: two of ~42 tokens each fit,
+    the third does not, so the budget stops the run while the second may be on the wire."""
+    lines = [{"prompt": "fast one"}, {"prompt": "slow one"}, {"prompt": "third one"}]
+    home = Home.at(tmp_path, None)
+    ledger = Ledger(home.ledger_url)
+    spec = resolve(
+        {
+            "backend": "vllm",
+            "base_url": "http://engine.test/v1",
+            "model": "m",
+            "concurrency": 2,
+            "server_metrics": "off",
+            "order": "input",
+            "max_tokens": 40,
+            "max_total_tokens": 100,
+        }
+    )
+    path = tmp_path / "j.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    jobs.create_job(ledger, "j", path, spec)
+    stats = await jobs.run_job(
+        ledger, home, "j", spec, transport=engine, settings=settings, handle_signals=False
+    )
+    return stats, ledger

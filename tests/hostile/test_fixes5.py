@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchrun.cli import main
+from tests.hostile.test_storage import _at_rest
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> Any:
@@ -28,14 +29,6 @@ def _one_job(home: Path, name: str = "in", lines: int = 3, **options: Any) -> Pa
     path.write_text("".join(json.dumps({"id": n, "prompt": f"p{n}"}) + "\n" for n in range(lines)))
     batchrun.submit(path, home=home, backend="sim", concurrency=1, server_metrics="off", **options)
     return home / "jobs" / "ledger.db"
-
-
-def _at_rest(db: Path) -> None:
-    conn = sqlite3.connect(db)
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    conn.close()
-    for suffix in ("-wal", "-shm"):
-        Path(f"{db}{suffix}").unlink(missing_ok=True)
 
 
 def _as_made_before_migration_12(db: Path) -> None:
@@ -236,13 +229,6 @@ async def test_a_line_asking_a_long_model_name_does_not_abort_a_postgres_run(
     On PostgreSQL a name past 200 characters makes the group commit fail (`value too long for
     type character varying(200)`): the run aborts, and every resume sends the line and aborts
     again, where before the column existed the line was simply answered (or failed alone)."""
-    from batchrun import jobs
-    from batchrun.config import resolve
-    from batchrun.jobs import Home
-    from batchrun.ledger import Ledger
-    from batchrun.run_state import RunnerSettings
-    from batchrun.sim import SimModel, SimTransport
-    from tests.fakes import FakeTime
     from tests.postgres import fresh_database
 
     long_model = "/srv/models/" + "snapshots/" * 20 + "model-Q4_K_M.gguf"  # 229 characters
@@ -250,24 +236,38 @@ async def test_a_line_asking_a_long_model_name_does_not_abort_a_postgres_run(
     rows = [{"id": "a", "prompt": "p0"}, {"id": "b", "prompt": "p1", "model": long_model}]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with fresh_database(postgres_server) as url:
-        home = Home.at(tmp_path, url)
-        ledger = Ledger(url)
-        spec = resolve({"backend": "sim", "model": "sim-1", "concurrency": 1, "max_attempts": 1})
-        jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
-        fake = FakeTime()
-        settings = RunnerSettings(sleep=fake.sleep, clock=fake.clock, drain_timeout=0.0)
-        try:
-            stats = await jobs.run_job(
-                ledger,
-                home,
-                "j",
-                spec,
-                transport=SimTransport(SimModel()),
-                settings=settings,
-                handle_signals=False,
-            )
-            counts = ledger.counts("j")
-        finally:
-            ledger.close()
+        stats, counts = await run_sim_job(tmp_path, url)
     assert stats.aborted is None, stats.aborted
     assert counts["pending"] == 0 and counts["running"] == 0, counts
+
+
+async def run_sim_job(tmp_path: Path, url: str) -> tuple[Any, dict[str, int]]:
+    """Job `j` from `tmp_path/in.jsonl` on the ledger at `url`, run once against the
+    simulator in fake time: its stats and counts."""
+    from batchrun import jobs
+    from batchrun.config import resolve
+    from batchrun.jobs import Home
+    from batchrun.ledger import Ledger
+    from batchrun.run_state import RunnerSettings
+    from batchrun.sim import SimModel, SimTransport
+    from tests.fakes import FakeTime
+
+    home = Home.at(tmp_path, url)
+    ledger = Ledger(url)
+    spec = resolve({"backend": "sim", "model": "sim-1", "concurrency": 1, "max_attempts": 1})
+    jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
+    fake = FakeTime()
+    settings = RunnerSettings(sleep=fake.sleep, clock=fake.clock, drain_timeout=0.0)
+    try:
+        stats = await jobs.run_job(
+            ledger,
+            home,
+            "j",
+            spec,
+            transport=SimTransport(SimModel()),
+            settings=settings,
+            handle_signals=False,
+        )
+        return stats, ledger.counts("j")
+    finally:
+        ledger.close()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from batchrun.config import resolve
-from tests.hostile.test_cost import Engine, _preview_then_run
+from tests.hostile.test_cost import Engine, _preview_then_run, run_to_the_budget
 
 # --- config._moved: a key variable given for the old preset's own URL ----------------------
 
@@ -99,8 +99,6 @@ async def test_a_ctrl_c_during_a_budget_stops_wait_still_gives_the_grace(
     import anyio
 
     from batchrun import jobs
-    from batchrun.jobs import Home
-    from batchrun.ledger import Ledger
     from batchrun.run_state import RunnerSettings
     from batchrun.runner import Runner
 
@@ -126,27 +124,7 @@ async def test_a_ctrl_c_during_a_budget_stops_wait_still_gives_the_grace(
             return await super().handle_async_request(request)
 
     engine = CtrlCDuringTheWait(answer=40)
-    lines = [{"prompt": "fast one"}, {"prompt": "slow one"}, {"prompt": "third one"}]
-    home = Home.at(tmp_path, None)
-    ledger = Ledger(home.ledger_url)
-    spec = resolve(
-        {
-            "backend": "vllm",
-            "base_url": "http://engine.test/v1",
-            "model": "m",
-            "concurrency": 2,
-            "server_metrics": "off",
-            "order": "input",
-            "max_tokens": 40,
-            "max_total_tokens": 100,  # two of ~42 each fit, a third does not
-        }
-    )
-    path = tmp_path / "j.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    jobs.create_job(ledger, "j", path, spec)
-    stats = await jobs.run_job(
-        ledger, home, "j", spec, transport=engine, settings=RunnerSettings(), handle_signals=False
-    )
+    stats, ledger = await run_to_the_budget(tmp_path, engine, RunnerSettings())
     assert stats.aborted and "--max-total-tokens 100 reached" in stats.aborted
     done = {s.item_id: s.status for s in ledger.iter_results("j")}
     assert done == {"1": "done", "2": "done", "3": "pending"}, (
@@ -328,12 +306,8 @@ async def test_a_postgres_ledger_migrated_yesterday_takes_a_long_model_name(
     makes the group commit fail and the run abort, at every resume."""
     import sqlalchemy
 
-    from batchrun import jobs
-    from batchrun.jobs import Home
     from batchrun.ledger import Ledger
-    from batchrun.run_state import RunnerSettings
-    from batchrun.sim import SimModel, SimTransport
-    from tests.fakes import FakeTime
+    from tests.hostile.test_fixes5 import run_sim_job
     from tests.postgres import fresh_database
 
     long_model = "/srv/models/" + "snapshots/" * 20 + "model-Q4_K_M.gguf"  # 229 characters
@@ -348,25 +322,7 @@ async def test_a_postgres_ledger_migrated_yesterday_takes_a_long_model_name(
             # version 13 was the newest then: the widening (migration 14) has yet to run
             conn.execute(sqlalchemy.text("DELETE FROM schema_migrations WHERE version > 13"))
         made.close()
-        home = Home.at(tmp_path, url)
-        ledger = Ledger(url)  # today's batchrun opens it
-        spec = resolve({"backend": "sim", "model": "sim-1", "concurrency": 1, "max_attempts": 1})
-        jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
-        fake = FakeTime()
-        settings = RunnerSettings(sleep=fake.sleep, clock=fake.clock, drain_timeout=0.0)
-        try:
-            stats = await jobs.run_job(
-                ledger,
-                home,
-                "j",
-                spec,
-                transport=SimTransport(SimModel()),
-                settings=settings,
-                handle_signals=False,
-            )
-            counts = ledger.counts("j")
-        finally:
-            ledger.close()
+        stats, counts = await run_sim_job(tmp_path, url)  # today's batchrun opens it
     assert stats.aborted is None, stats.aborted
     assert counts["pending"] == 0 and counts["running"] == 0, counts
 
