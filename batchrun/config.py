@@ -365,7 +365,7 @@ def _moved(merged: dict[str, Any], layer: dict[str, Any]) -> None:
     if before is not None and switched:  # what the old preset brought goes; a URL given stays
         # (with several endpoints the stored URL is the first's, kept for messages only)
         own = preset.base_url if preset is not None else None
-        if own is None or merged.get("endpoints") or str(old_url or "").rstrip("/") == own:
+        if own is None or moved or merged.get("endpoints") or str(old_url or "").rstrip("/") == own:
             merged.pop("base_url", None)  # ... and a key variable goes with its URL: an
             merged.pop("api_key_env", None)  # OpenAI key must not follow the job to Groq
         return

@@ -430,6 +430,16 @@ def test_a_stored_spec_is_read_back_whatever_rules_came_since() -> None:
         resolve(old)
 
 
+def test_a_key_variable_given_with_a_url_does_not_follow_a_move_to_another_host() -> None:
+    # a custom job at gpu.lan with its own key, resumed with another preset on another host:
+    # the key named for gpu.lan is not sent there unless named again
+    stored = {"backend": "custom", "base_url": "http://gpu.lan:8000/v1", "api_key_env": "GPU_KEY"}
+    moved = resolve(stored, {"backend": "vllm", "base_url": "http://other:8000/v1"})
+    assert (moved.base_url, moved.api_key_env) == ("http://other:8000/v1", "VLLM_API_KEY")
+    kept = resolve(stored, {"backend": "vllm"})  # the same server, with vLLM's quirks
+    assert (kept.base_url, kept.api_key_env) == ("http://gpu.lan:8000/v1", "GPU_KEY")
+
+
 def test_a_load_page_url_goes_with_the_server_it_was_given_for() -> None:
     # A job run with --server-metrics http://old:8000/metrics, resumed on another host: auto
     # reads the new server's page, not the old one's (the options review's suspicion).
