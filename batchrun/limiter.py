@@ -149,10 +149,12 @@ def estimate_split(body: dict[str, Any]) -> tuple[int, int]:
     """The same estimate in its two parts (prompt, output): budgets price them apart."""
     # Both may be sent (a line's max_completion_tokens over the job's --max-tokens), and
     # servers differ in which they obey: the larger bounds the answer. `n` answers are paid.
-    limits = [body.get(k) for k in ("max_tokens", "max_completion_tokens")]
-    limit = max((x for x in limits if isinstance(x, int)), default=DEFAULT_MAX_TOKENS)
+    # (Two lookups, no list: this runs for every request.)
+    limit, other = body.get("max_tokens"), body.get("max_completion_tokens")
+    if not isinstance(limit, int) or (isinstance(other, int) and other > limit):
+        limit = other if isinstance(other, int) else DEFAULT_MAX_TOKENS
     n = body.get("n")
-    return estimate_tokens(prompt_chars(body)), limit * (n if isinstance(n, int) and n > 1 else 1)
+    return estimate_tokens(prompt_chars(body)), limit * n if isinstance(n, int) and n > 1 else limit
 
 
 DEFAULT_MAX_TOKENS = 256  # assumed when a request does not say

@@ -82,14 +82,7 @@ def test_export_of_a_job_stored_with_max_cost_and_one_price(tmp_path: Path) -> N
     home = tmp_path / "h"
     home.mkdir()
     db = _one_job(home, max_tokens=20, max_cost=5.0, price_in=1.0, price_out=2.0)
-    with sqlite3.connect(db) as conn:  # as an older batchrun stored it: one price
-        (spec,) = conn.execute("SELECT spec FROM jobs WHERE name = 'in'").fetchone()
-        stored = json.loads(spec)
-        stored["price_in"] = None
-        conn.execute("UPDATE jobs SET spec = ? WHERE name = 'in'", (json.dumps(stored),))
-    conn.close()
-    target = tmp_path / "again.jsonl"
-    result = _cli("--home", str(home), "export", "in", "-o", str(target))
+    result, target = stored_then_exported(home, db, {"price_in": None}, tmp_path / "again.jsonl")
     assert result.exit_code == 0, result.output
     assert len(target.read_text().splitlines()) == 3
 
@@ -271,3 +264,16 @@ async def run_sim_job(tmp_path: Path, url: str) -> tuple[Any, dict[str, int]]:
         return stats, ledger.counts("j")
     finally:
         ledger.close()
+
+
+def stored_then_exported(
+    home: Path, db: Path, stored_as: dict[str, Any], target: Path
+) -> tuple[Any, Path]:
+    """Job `in`'s stored spec changed to `stored_as` (as an older batchrun stored it), then
+    exported to `target`: the command's result."""
+    with sqlite3.connect(db) as conn:
+        (spec,) = conn.execute("SELECT spec FROM jobs WHERE name = 'in'").fetchone()
+        stored = {**json.loads(spec), **stored_as}
+        conn.execute("UPDATE jobs SET spec = ? WHERE name = 'in'", (json.dumps(stored),))
+    conn.close()
+    return _cli("--home", str(home), "export", "in", "-o", str(target)), target

@@ -383,19 +383,11 @@ def test_export_of_a_job_stored_before_the_new_option_rules(
     price), so `export` of such a job -- finished, nothing to send, export takes no run
     options -- is refused, exit 2: "--max-tokens-cap must be above --max-tokens to retry
     longer". Its results cannot be written again."""
-    import sqlite3
-
-    from tests.hostile.test_fixes5 import _cli, _one_job
+    from tests.hostile.test_fixes5 import _one_job, stored_then_exported
 
     home = tmp_path / "h"
     home.mkdir()
-    db = _one_job(home, max_tokens=20)
-    with sqlite3.connect(db) as conn:  # as yesterday's batchrun stored it
-        (spec,) = conn.execute("SELECT spec FROM jobs WHERE name = 'in'").fetchone()
-        stored = {**json.loads(spec), **stored_as}
-        conn.execute("UPDATE jobs SET spec = ? WHERE name = 'in'", (json.dumps(stored),))
-    conn.close()
-    target = tmp_path / "again.jsonl"
-    result = _cli("--home", str(home), "export", "in", "-o", str(target))
+    db = _one_job(home, max_tokens=20)  # then as yesterday's batchrun stored it:
+    result, target = stored_then_exported(home, db, stored_as, tmp_path / "again.jsonl")
     assert result.exit_code == 0, result.output
     assert len(target.read_text().splitlines()) == 3

@@ -202,21 +202,11 @@ def test_a_job_stored_with_a_budget_and_no_max_tokens_is_exported(
     (or --max-cost with both prices) is still checked by validate(stored=True), and
     `export` ends in exit 2 "--max-total-tokens needs --max-tokens ...": its answers, paid
     for, cannot be read out without first changing options a read does not take."""
-    import json
-    import sqlite3
+    from tests.hostile.test_fixes5 import _one_job, stored_then_exported
 
-    from tests.hostile.test_fixes5 import _cli, _one_job
-
-    home = tmp_path
-    db = _one_job(home)
-    with sqlite3.connect(db) as conn:  # as a batchrun before ab43f85 stored it
-        (raw,) = conn.execute("SELECT spec FROM jobs WHERE name = 'in'").fetchone()
-        spec = json.loads(raw)
-        spec.update({"max_tokens": None, budget: 100000 if budget == "max_total_tokens" else 5.0})
-        spec.update({"price_in": 1.0, "price_out": 2.0})
-        conn.execute("UPDATE jobs SET spec = ? WHERE name = 'in'", (json.dumps(spec),))
-    conn.close()
-    target = tmp_path / "out.jsonl"
-    result = _cli("--home", str(home), "export", "in", "-o", str(target))
+    db = _one_job(tmp_path)  # then as a batchrun before ab43f85 stored it:
+    older = {"max_tokens": None, budget: 100000 if budget == "max_total_tokens" else 5.0}
+    older.update({"price_in": 1.0, "price_out": 2.0})
+    result, target = stored_then_exported(tmp_path, db, older, tmp_path / "out.jsonl")
     assert result.exit_code == 0, result.output
     assert len(target.read_text().splitlines()) == 3
