@@ -302,7 +302,7 @@ class HostedRun:
             failures[why] = failures.get(why, 0) + 1
         recorded = self.ledger.record(
             self.name, "", results, answer_spec=self._answer_spec, chunk=chunk.chunk
-        )
+        ).finished
         back = self.store.close(self.name, chunk.chunk, followups)
         self.stats.recorded += recorded
         self.stats.returned += back

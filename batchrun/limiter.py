@@ -29,11 +29,15 @@ class TokenBucket:
         self.level = self.capacity
         self.updated: float | None = None
 
-    def share(self, fraction: float) -> None:
-        """Keep `fraction` of the budget (this worker's part of a job's): rate and burst."""
+    def share(self, fraction: float, *, rank: int = 0) -> None:
+        """Keep `fraction` of the budget (this worker's part of a job's): rate and burst. A
+        bucket not yet taken from starts `rank` parts of one request behind: workers started
+        together take turns, not the same moment (four sharing --rpm 2 sent four at once)."""
         self.rate = self.per_minute / 60.0 * fraction
         self.capacity = max(self.rate * 5, self.least * fraction)  # the job's: one request
         self.level = min(self.level, self.capacity)
+        if self.updated is None:
+            self.level -= rank * fraction
 
     def _refill(self, now: float) -> None:
         if self.updated is not None:
@@ -90,11 +94,14 @@ class Pacer:
             wait = max(wait, self.tokens.take(now, estimated_tokens))
         return wait
 
-    def share(self, workers: int) -> None:
-        """--rpm/--tpm are budgets for the whole job: with `workers` live, take a part each."""
-        for bucket in (self.requests, self.tokens):
-            if bucket is not None:
-                bucket.share(1 / max(1, workers))
+    def share(self, workers: int, *, rank: int = 0) -> None:
+        """--rpm/--tpm are budgets for the whole job: with `workers` live, take a part each;
+        `rank`, this worker's place among them (by start), sets its turn for requests."""
+        part = 1 / max(1, workers)
+        if self.requests is not None:
+            self.requests.share(part, rank=min(rank, max(1, workers) - 1))
+        if self.tokens is not None:
+            self.tokens.share(part)
 
     def pause(self, until: float) -> None:
         self.pause_until = max(self.pause_until, until)

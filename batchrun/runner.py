@@ -300,17 +300,17 @@ class Runner:
             self._workers_scope.cancel()
 
     async def _share_budget(self) -> None:
-        """--rpm/--tpm are the whole job's: this worker takes its part of them, 1/N with N
-        workers alive (itself too), looked at again with each heartbeat."""
+        """--rpm/--tpm are the whole job's: this worker takes 1/N (N live workers) and its turn."""
         if all(r.spec.rpm is None and r.spec.tpm is None for r in self.routes):
             return
-        live = await self._db(self.ledger.live_workers, self.job, ttl=self.settings.lease_ttl)
-        live = max(1, live)
+        ids = await self._db(self.ledger.live_workers, self.job, ttl=self.settings.lease_ttl)
+        live, rank = max(1, len(ids)), ids.index(self.owner) if self.owner in ids else 0
         if live != self._sharing:
             self._sharing = live
             for lane in self.fleet.lanes:
-                lane.throttle.pacer.share(live)
-            self.log.event("budget_share", workers=live, rpm=self.spec.rpm, tpm=self.spec.tpm)
+                lane.throttle.pacer.share(live, rank=rank)
+            spec = self.spec
+            self.log.event("budget_share", workers=live, rank=rank, rpm=spec.rpm, tpm=spec.tpm)
 
     async def _watch_spending(self) -> None:
         """With --max-total-tokens or --max-cost: what the job has paid so far (other
@@ -340,7 +340,7 @@ class Runner:
                 spent = await self._db(self.ledger.paid_tokens, self.job)
                 ttl = self.settings.lease_ttl
                 live = await self._db(self.ledger.live_workers, self.job, ttl=ttl)
-                budget.saw_spent(*spent, workers=live)
+                budget.saw_spent(*spent, workers=len(live))
 
     async def _heartbeat(self) -> None:
         while True:
@@ -398,17 +398,17 @@ class Runner:
     async def _commit(self, group: list[ItemResult]) -> None:
         if not group:
             return
-        finished = await self._db(  # the group's, and the repeated lines that waited for it
+        recorded = await self._db(  # the group's, and the repeated lines that waited for it
             self.ledger.record, self.job, self.owner, group, answer_spec=self.answer_spec
         )
         self.feeder.held.difference_update(result.line for result in group)
         self._committed += len(group)
-        self.stats.recorded += finished
-        for result in group:
-            self.stats.by_status[result.status] = self.stats.by_status.get(result.status, 0) + 1
+        self.stats.recorded += recorded.finished
+        for status, count in recorded.by_status.items():
+            self.stats.by_status[status] = self.stats.by_status.get(status, 0) + count
         self.log.flush()
         if self.progress is not None:
-            self._report_progress(max(len(group), finished))
+            self._report_progress(max(len(group), recorded.finished))
 
     def _report_progress(self, newly_done: int) -> None:
         assert self.progress is not None

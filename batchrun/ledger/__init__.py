@@ -3,7 +3,14 @@
 from batchrun.ledger.chunks import Chunk, run_owner
 from batchrun.ledger.dialect import file_ledger_url, home_expanded, ledger_file
 from batchrun.ledger.engine import shown_url
-from batchrun.ledger.records import ClaimedItem, IngestReport, ItemResult, Job, Spent
+from batchrun.ledger.records import (
+    ClaimedItem,
+    IngestReport,
+    ItemResult,
+    Job,
+    Recorded,
+    Spent,
+)
 from batchrun.ledger.schema import FINAL_STATUSES, OPEN_STATUSES, STATUSES, left
 from batchrun.ledger.store import Ledger
 from batchrun.ledger.workers import Joining, Worker
@@ -19,6 +26,7 @@ __all__ = [
     "Job",
     "Joining",
     "Ledger",
+    "Recorded",
     "Spent",
     "Worker",
     "file_ledger_url",

@@ -104,6 +104,18 @@ class ItemResult:
 
 
 @dataclass(frozen=True, slots=True)
+class Recorded:
+    """What a commit of results finished: its items by their new status, the group's own and
+    the repeated lines that waited for them (a failed request fails each of its lines)."""
+
+    by_status: dict[str, int]
+
+    @property
+    def finished(self) -> int:
+        return sum(self.by_status.values())
+
+
+@dataclass(frozen=True, slots=True)
 class StoredItem:
     """One item as the ledger holds it, for results files and the Python API."""
 

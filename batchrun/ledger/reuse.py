@@ -16,6 +16,7 @@ run (`batchrun/reuse.py`); every result it records carries it.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -212,36 +213,50 @@ def reuse_earlier(
     return int(conn.execute(copy).rowcount)
 
 
-def fan_out(conn: Connection, job: str, recorded: list[ItemResult], now: float) -> int:
-    """The lines waiting for these results get them; how many. Only results this transaction
-    committed count (their rows say so: this `now`), not a late one that the lease guard
-    turned away. One key lookup when no line of the group has lines waiting for it."""
-    by_line = {r.line: r for r in recorded}
+def fan_out(conn: Connection, job: str, committed: list[ItemResult], now: float) -> Counter[str]:
+    """The lines waiting for these results (the ones this transaction committed) get them; how
+    many, by the status they took. One key lookup when no line of the group has lines waiting
+    for it, and a statement for each status that has."""
+    by_line = {r.line: r for r in committed}
     followers = conn.execute(
         select(waiting.c.line, waiting.c.leader).where(
             waiting.c.job == job, waiting.c.leader.in_(by_line)
         )
     ).all()
-    if not followers:
-        return 0
-    committed = set(
-        conn.execute(
-            select(items.c.line).where(
-                items.c.job == job, items.c.line.in_(by_line), items.c.updated_at == now
-            )
-        ).scalars()
-    )
     copy = (
         update(items)
         .where(items.c.job == job, items.c.line == bindparam("l"), items.c.status == "pending")
         .values(updated_at=now, **NOT_A_SOURCE, **{c: bindparam(f"c_{c}") for c in COPIED})
     )
-    rows = [
-        {"l": line} | {f"c_{c}": getattr(by_line[leader], c) for c in COPIED}
-        for line, leader in followers
-        if leader in committed
-    ]
-    return int(conn.execute(copy, rows).rowcount) if rows else 0
+    by_status: dict[str, list[dict[str, Any]]] = {}
+    for line, leader in followers:
+        answer = by_line[leader]
+        row = {"l": line} | {f"c_{c}": getattr(answer, c) for c in COPIED}
+        by_status.setdefault(answer.status, []).append(row)
+    return Counter(
+        {status: int(conn.execute(copy, rows).rowcount) for status, rows in by_status.items()}
+    )
+
+
+def finished(
+    conn: Connection, job: str, results: list[ItemResult], changed: int, now: float
+) -> dict[str, int]:
+    """The items a commit at `now` of `results` finished (`changed` of their rows), by status:
+    the lines waiting for them get them too. Where a guard turned some results away (late, or
+    not under their lease), their rows say which were written."""
+    if changed < len(results):
+        lines = [r.line for r in results]
+        written = set(
+            conn.execute(
+                select(items.c.line).where(
+                    items.c.job == job, items.c.line.in_(lines), items.c.updated_at == now
+                )
+            ).scalars()
+        )
+        results = [r for r in results if r.line in written]
+    by_status = Counter(r.status for r in results)
+    by_status.update(fan_out(conn, job, results, now))
+    return dict(by_status)
 
 
 def preview(

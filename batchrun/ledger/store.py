@@ -31,6 +31,7 @@ from batchrun.ledger.records import (
     ItemResult,
     Job,
     LimitMove,
+    Recorded,
     Spent,
     StoredItem,
 )
@@ -243,9 +244,10 @@ class Ledger:
                 reuse.settle_strays(conn, name, time.time())
         return stray or coming
 
-    def live_workers(self, name: str, *, ttl: float) -> int:
+    def live_workers(self, name: str, *, ttl: float) -> list[str]:
+        """The ids of the job's workers running now, first started first."""
         with self._read("counting workers") as conn:
-            return workers.live_count(conn, name, ttl=ttl)
+            return workers.live(conn, name, ttl=ttl)
 
     def workers(self, name: str) -> list[Worker]:
         with self._read("listing workers") as conn:
@@ -286,20 +288,20 @@ class Ledger:
         *,
         answer_spec: str | None = None,
         chunk: int | None = None,
-    ) -> int:
+    ) -> Recorded:
         """Commit a group of results in one transaction, made under `answer_spec` (see
-        reuse.py); lines waiting for the same request get them too. Returns how many items it
+        reuse.py); lines waiting for the same request get them too. Returns the items it
         finished: the group's rows that changed, and the lines that waited for them. The guard
         (still running, still ours; or with `chunk`, still in that hosted batch) makes a late
         or duplicate result a no-op."""
         if not results:
-            return 0
+            return Recorded({})
         now = time.time()
         head = (name, owner if chunk is None else chunk, now)
         rows = [result_row(head, r, answer_spec) for r in results]
         with self._write("recording results") as conn:
             changed = int(self._recording(conn, chunk is not None).run(conn, rows).rowcount)
-            return changed + reuse.fan_out(conn, name, results, now)
+            return Recorded(reuse.finished(conn, name, results, changed, now))
 
     def _recording(self, conn: Connection, batched: bool) -> Many:
         """record's statement, compiled once for this ledger's database."""

@@ -303,12 +303,13 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def live_count(conn: Connection, name: str, *, ttl: float) -> int:
+def live(conn: Connection, name: str, *, ttl: float) -> list[str]:
     """Workers of the job that are running now, by their heartbeats (database time) within
-    their own leases."""
+    their own leases: their ids, first started first (each worker's rank is the same to all)."""
     fresh = workers.c.heartbeat > db_now(conn) - func.coalesce(workers.c.lease, ttl)
-    query = select(func.count()).where(workers.c.job == name, workers.c.stopped_at.is_(None))
-    return int(conn.execute(query.where(fresh)).scalar() or 0)
+    query = select(workers.c.id).where(workers.c.job == name, workers.c.stopped_at.is_(None))
+    order = (workers.c.started_at, workers.c.id)
+    return list(conn.execute(query.where(fresh).order_by(*order)).scalars())
 
 
 @dataclass(frozen=True)

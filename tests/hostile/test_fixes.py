@@ -123,7 +123,7 @@ async def test_a_batch_run_that_cannot_start_leaves_no_live_worker_behind(
             settings=RunnerSettings(drain_timeout=0.0),
             handle_signals=False,
         )
-    live = ledger.live_workers("j", ttl=spec.lease)
+    live = len(ledger.live_workers("j", ttl=spec.lease))
     ledger.close()
     assert live == 0, f"{live} worker(s) left live by a run that never started"
 

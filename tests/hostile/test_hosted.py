@@ -319,7 +319,7 @@ async def test_a_batch_run_that_joined_as_a_worker_stays_alive_while_it_polls(
 
     async def other_worker() -> None:
         await anyio.sleep(2.0)  # the batch run is polling; its lease (1 s) has run out
-        seen["live"] = ledger.live_workers("j", ttl=1.0)
+        seen["live"] = len(ledger.live_workers("j", ttl=1.0))
         other = {**spec.to_json(), "temperature": 1.5}
         try:
             ledger.join("j", "online-worker", ttl=60.0, spec=other, same=ANSWER_FIELDS)
@@ -365,4 +365,4 @@ async def test_a_batch_run_joins_in_the_pass_that_copies_answers_into_the_job(
     stats = await run(ledger, home, spec, SimTransport(sim()))
     assert stats.aborted is None and ledger.counts("j")["done"] == 4
     assert isinstance(seen["other"], OptionError), seen["other"]
-    assert ledger.live_workers("j", ttl=60.0) == 0  # the batch run left when it ended
+    assert len(ledger.live_workers("j", ttl=60.0)) == 0  # the batch run left when it ended

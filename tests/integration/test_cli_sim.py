@@ -285,8 +285,8 @@ def test_a_second_process_on_a_live_job_joins_it_as_a_worker(
     log = [json.loads(x) for x in (cli.home / "logs" / "big.log").read_text().splitlines()]
     owners = {e["owner"] for e in log if e["event"] == "run_started"}
     assert len(owners) == 2  # two workers took part
-    shares = [e["workers"] for e in log if e["event"] == "budget_share"]
-    assert 2 in shares, shares  # the second took half of --rpm
+    shares = [(e["workers"], e["rank"]) for e in log if e["event"] == "budget_share"]
+    assert (2, 1) in shares, shares  # the second took half of --rpm, and the second turn
 
 
 def test_local_problems_are_clear_errors_not_tracebacks(cli: CLI, tmp_path: Path) -> None:

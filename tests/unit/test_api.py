@@ -479,3 +479,23 @@ def test_a_ctrl_c_that_came_before_an_abort_reaches_the_caller_first(
     finally:
         signal.signal(signal.SIGINT, old)
     assert heard == ([signal.SIGINT] if handler == "a flag" else [])
+
+
+def test_progress_counts_every_failed_line_a_repeated_request_fails(tmp_path: Path) -> None:
+    # 10 requests, each on 3 lines: one request each is sent, and a failure of it is the failure
+    # of its 3 lines. The progress counted one failed line for each.
+    repeated = [{"id": f"r{i}", "prompt": f"Say {i % 10}."} for i in range(30)]
+    flaky = {"ttft_ms": 0.0, "tpot_ms": 0.0, "fault_seed": 3, "faults": {"500": 0.5}}
+    updates: list[batchrun.ProgressUpdate] = []
+    report = batchrun.submit(
+        repeated,
+        job="j",
+        home=tmp_path,
+        backend="sim",
+        max_attempts=1,
+        sim_options=flaky,
+        on_progress=updates.append,
+    )
+    failed = report.counts["failed"]
+    assert failed and failed % 3 == 0
+    assert (updates[-1].done, updates[-1].failed) == (30, failed)

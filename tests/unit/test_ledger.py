@@ -245,7 +245,7 @@ def test_record_completes_items_and_counts_attempts(ledger: Ledger) -> None:
             ItemResult(line=3, status="invalid", attempts=2, output="x", error="no JSON"),
         ],
     )
-    assert changed == 3
+    assert changed.by_status == {"done": 1, "failed": 1, "invalid": 1}
     rows = {r["line"]: r for r in stored_rows(ledger)}
     assert (rows[1]["status"], rows[1]["output"], rows[1]["attempts"]) == ("done", "one", 1)
     assert (rows[2]["status"], rows[2]["attempts"], rows[2]["error"]) == ("failed", 5, "HTTP 500")
@@ -257,9 +257,9 @@ def test_late_duplicate_result_changes_nothing(ledger: Ledger) -> None:
     make_job(ledger, 2)
     ledger.join("j", "me", ttl=60)
     ledger.claim("j", "me", 2, lease_ttl=60)
-    assert ledger.record("j", "me", [done(1, "first")]) == 1
-    assert ledger.record("j", "me", [done(1, "second")]) == 0  # already final
-    assert ledger.record("j", "other", [done(2, "not mine")]) == 0  # not our lease
+    assert ledger.record("j", "me", [done(1, "first")]).finished == 1
+    assert ledger.record("j", "me", [done(1, "second")]).finished == 0  # already final
+    assert ledger.record("j", "other", [done(2, "not mine")]).finished == 0  # not our lease
     rows = {r["line"]: r for r in stored_rows(ledger)}
     assert rows[1]["output"] == "first" and rows[1]["attempts"] == 1
     assert rows[2]["status"] == "running"
@@ -547,9 +547,9 @@ def test_a_frozen_worker_whose_leases_ran_out_commits_nothing_and_carries_on(
     ledger.join("j", "live", ttl=60)  # the live worker reclaims what ran out
     assert [c.line for c in ledger.claim("j", "live", 2, lease_ttl=60)] == [1, 2]
     # it wakes up: its results for those items change nothing, its heartbeat takes nothing
-    assert ledger.record("j", "frozen", [ItemResult(1, "done", 1, output="late")]) == 0
+    assert ledger.record("j", "frozen", [ItemResult(1, "done", 1, output="late")]).finished == 0
     assert ledger.heartbeat("j", "frozen", lease_ttl=60) == 0
-    assert ledger.record("j", "live", [ItemResult(1, "done", 1, output="mine")]) == 1
+    assert ledger.record("j", "live", [ItemResult(1, "done", 1, output="mine")]).finished == 1
     assert [c.line for c in ledger.claim("j", "frozen", 2, lease_ttl=60)] == [3, 4]
 
 
@@ -564,7 +564,7 @@ def test_a_worker_waits_while_items_are_pending_or_held_by_others(ledger: Ledger
     assert ledger.more_may_come("j", "b")
     ledger.claim("j", "b", 3, lease_ttl=60)
     results = [ItemResult(line, "done", 1, output="x") for line in (1, 2, 3)]
-    assert ledger.record("j", "b", results) == 3
+    assert ledger.record("j", "b", results).finished == 3
     assert not ledger.more_may_come("j", "b")
 
 
@@ -683,12 +683,12 @@ def test_live_workers_are_counted_by_their_heartbeats(ledger: Ledger) -> None:
     make_job(ledger, 2)
     ledger.join("j", "a", ttl=60)
     ledger.join("j", "b", ttl=60)
-    assert ledger.live_workers("j", ttl=60) == 2
+    assert ledger.live_workers("j", ttl=60) == ["a", "b"]  # first started first: their ranks
     ledger.release("j", "b")
-    assert ledger.live_workers("j", ttl=60) == 1
+    assert len(ledger.live_workers("j", ttl=60)) == 1
     with ledger.engine.begin() as conn:  # a's heartbeat is old: not counted
         conn.execute(text("UPDATE workers SET heartbeat = heartbeat - 3600 WHERE id = 'a'"))
-    assert ledger.live_workers("j", ttl=60) == 0
+    assert len(ledger.live_workers("j", ttl=60)) == 0
 
 
 def test_each_worker_is_judged_by_its_own_lease(ledger: Ledger) -> None:
@@ -701,7 +701,7 @@ def test_each_worker_is_judged_by_its_own_lease(ledger: Ledger) -> None:
         ledger.join("j", "hasty", ttl=1.0, spec={"temperature": 0.9}, same=same)
     assert ledger.join("j", "hasty", ttl=1.0, spec={"temperature": 0.2}, same=same) == 0
     ledger.heartbeat("j", "hasty", lease_ttl=1.0)
-    assert ledger.live_workers("j", ttl=1.0) == 2  # (a second passes in no call here)
+    assert len(ledger.live_workers("j", ttl=1.0)) == 2  # (a second passes in no call here)
     statuses = {i.line: i.status for i in ledger.iter_results("j")}
     assert statuses[held.line] == "running"  # not taken from a live worker
     assert [w.stopped_at for w in ledger.workers("j")] == [None, None]

@@ -57,6 +57,21 @@ def test_a_slow_rpm_sends_its_first_request_at_once() -> None:
     assert shared.wait(0.0, 10) == pytest.approx(20.0)  # (1 - 1/3) of a request at 2 a minute
 
 
+@pytest.mark.parametrize(("rpm", "workers"), [(2, 4), (6, 3), (30, 4), (1, 2)])
+def test_workers_sharing_a_slow_rpm_keep_to_it_in_every_minute(rpm: int, workers: int) -> None:
+    # Started together, each worker on its part of the rate: they sent at the same moment,
+    # four at a time every two minutes under --rpm 2. Each takes its turn by its rank.
+    sent: list[float] = []
+    for rank in range(workers):
+        pacer, now = Pacer(rpm=rpm), 0.0
+        pacer.share(workers, rank=rank)
+        for _ in range(12):
+            now += pacer.wait(now, 10)
+            sent.append(now)
+    sent.sort()
+    assert max(sum(1 for t in sent if start <= t < start + 60.0) for start in sent) <= rpm
+
+
 def test_pacer_waits_for_the_servers_reset_when_its_budget_is_spent() -> None:
     pacer = Pacer()
     spent = RateInfo(remaining_requests=0, reset_requests_s=2.5)

@@ -155,6 +155,31 @@ def test_repeated_lines_are_sent_once_and_each_keeps_its_own_id(ledger: Ledger) 
     assert ledger.counts("j")["done"] == 5
 
 
+def test_a_commit_counts_each_line_it_finished_by_status_repeats_and_all(ledger: Ledger) -> None:
+    load(ledger, "j", ["x", "y", "x", "y", "z", "x"])
+    ledger.prepare_reuse("j", SPEC_A, reuse_since=None, earlier=False)
+    ledger.join("j", "w", ttl=60)
+    assert [c.line for c in ledger.claim("j", "w", 10, lease_ttl=60)] == [1, 2, 5]
+    ledger.join("j", "other", ttl=60)
+    results = [
+        ItemResult(1, "failed", 1, error="HTTP 500"),
+        ItemResult(2, "done", 1, output="y"),
+        ItemResult(5, "invalid", 1, output="z", error="no JSON"),
+    ]
+    recorded = ledger.record("j", "w", results, answer_spec=SPEC_A)
+    assert recorded.by_status == {"failed": 3, "done": 2, "invalid": 1}
+    # A late duplicate in a group is turned away by the guard: neither it nor its repeats
+    # count again, and the rest of the group and their repeats do.
+    load(ledger, "k", ["x", "y", "x", "y"])
+    ledger.prepare_reuse("k", SPEC_A, reuse_since=None, earlier=False)
+    ledger.join("k", "w", ttl=60)
+    ledger.claim("k", "w", 10, lease_ttl=60)
+    first = ItemResult(1, "failed", 1, error="HTTP 500")
+    assert ledger.record("k", "w", [first], answer_spec=SPEC_A).by_status == {"failed": 2}
+    group = [first, ItemResult(2, "done", 1, output="y")]
+    assert ledger.record("k", "w", group, answer_spec=SPEC_A).by_status == {"done": 2}
+
+
 def test_repeats_are_found_in_request_order_across_write_batches(
     ledger: Ledger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -207,7 +232,7 @@ def test_a_late_result_turned_away_by_the_lease_answers_no_duplicate(ledger: Led
     ledger.claim("j", "gone", 10, lease_ttl=60)
     ledger.release("j", "gone")  # its lease is over: line 1 is pending again
     late = ItemResult(1, "done", 1, output="late")
-    assert ledger.record("j", "gone", [late], answer_spec=SPEC_A) == 0
+    assert ledger.record("j", "gone", [late], answer_spec=SPEC_A).finished == 0
     assert ledger.counts("j")["pending"] == 2  # the duplicate still waits
     answer_all(ledger, "j", SPEC_A)
     assert [o for _s, o, _j in outputs(ledger, "j")] == ["j:1", "j:1"]

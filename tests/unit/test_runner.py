@@ -15,7 +15,7 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from batchrun import jobs, progress
+from batchrun import jobs, progress, reuse
 from batchrun.backends import OpenAICompatBackend
 from batchrun.cli_errors import EXIT_ABORTED, EXIT_INTERRUPTED, EXIT_SOME_FAILED
 from batchrun.cli_report import exit_code
@@ -23,7 +23,7 @@ from batchrun.config import resolve
 from batchrun.errors import LedgerError
 from batchrun.jobs import Home
 from batchrun.lanes import Route
-from batchrun.ledger import ClaimedItem, Ledger
+from batchrun.ledger import ClaimedItem, Ledger, Recorded
 from batchrun.progress import JobLog
 from batchrun.report import JobReport
 from batchrun.run_state import RunnerSettings, RunStats
@@ -311,7 +311,7 @@ class LostAnswers(Ledger):
         self._lose("claim")
         return claimed
 
-    def record(self, *args: Any, **kwargs: Any) -> int:
+    def record(self, *args: Any, **kwargs: Any) -> Recorded:
         changed = super().record(*args, **kwargs)
         self._lose("record")
         return changed
@@ -451,3 +451,34 @@ async def test_a_cancel_while_the_ledger_is_out_of_reach_is_not_held_for_the_out
     )
     assert fake.now - now < 60.0  # the clock the runner waits by
     assert ledger.tries - tries <= 2  # one more try, not an hour of them
+
+
+@pytest.mark.anyio
+async def test_a_worker_takes_its_turn_of_a_shared_rpm_before_its_first_request(
+    tmp_path: Path,
+) -> None:
+    # Another worker started on the job first: this one has the second turn of --rpm 6 shared
+    # by two (3 a minute each), so its first request waits 20 s (fake time), where both waited
+    # 10 s and sent at one moment. (The heartbeat takes the part before the first claim: the
+    # ledger's calls go through one thread, in turn.)
+    home = Home.at(tmp_path, None)
+    ledger = Ledger(home.ledger_url)
+    write_prompts(tmp_path / "in.jsonl", 1)
+    spec = resolve({"backend": "sim", "model": "sim-1", "rpm": 6, "server_metrics": "off"})
+    jobs.create_job(ledger, "j", tmp_path / "in.jsonl", spec)
+    ledger.join("j", "started-first", ttl=600, spec=reuse.joined(spec), same=reuse.SAME)
+    fake, sent = FakeTime(), []
+    sim = SimTransport(SimModel())
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/completions"):
+            sent.append(fake.now)
+        return await sim.handle_async_request(request)
+
+    settings = RunnerSettings(sleep=fake.sleep, clock=fake.clock, drain_timeout=0.0)
+    transport = httpx.MockTransport(handle)
+    await jobs.run_job(
+        ledger, home, "j", spec, transport=transport, settings=settings, handle_signals=False
+    )
+    assert ledger.counts("j")["done"] == 1
+    assert len(sent) == 1 and sent[0] - 1000.0 == pytest.approx(20.0, abs=0.5), sent
