@@ -67,9 +67,10 @@ PLAIN_SQLITE_QUERY = {"timeout", "detect_types", "check_same_thread", "cached_st
 
 def parsed_url(url: str) -> URL:
     """A ledger URL, parsed, or LedgerError (never echoing it: it may hold a password) for one
-    that cannot be read: not a URL, a port that is not a number (`$PGPORT` left unexpanded),
-    a host holding `@` (a password's `@` unescaped: the rest of the password is taken for the
-    host, and a driver's error would print it)."""
+    that cannot be read: not a URL, a port that is not a number (`$PGPORT` left unexpanded)
+    or out of range (libpq's refusal of it was taken for a server away), a host holding `@`
+    (a password's `@` unescaped: the rest of the password is taken for the host, and a
+    driver's error would print it)."""
     try:
         found = make_url(url)
     except (ArgumentError, ValueError):
@@ -80,6 +81,8 @@ def parsed_url(url: str) -> URL:
         wait = -1.0
     if not 0 <= wait * 1000 < 2**31:  # inf, nan, negative, past SQLite's 32-bit milliseconds
         raise LedgerError("the ledger URL's timeout= must be a number of seconds") from None
+    if found.port is not None and not 0 < found.port < 65536:  # libpq: "invalid port number"
+        raise LedgerError("the ledger URL's port must be from 1 to 65535")
     if "@" in (found.host or ""):
         raise LedgerError("the ledger URL's host holds an '@': write one in a password as %40")
     as_file = (found.database or "").startswith("file:")

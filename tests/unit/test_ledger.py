@@ -140,6 +140,15 @@ def test_an_sqlite_uri_is_opened_as_written_and_makes_no_folder(
     assert not (tmp_path / "file:").exists()
 
 
+@pytest.mark.parametrize("port", ["0", "99999"])
+def test_a_ledger_port_out_of_range_is_a_mistake_said_at_once_not_an_outage(port: str) -> None:
+    # libpq says "invalid port number" as it connects, which was taken for a database away:
+    # exit 3 (an outage), the advice to resume later, for a URL that can never work.
+    with pytest.raises(LedgerError, match="port") as raised:
+        Ledger(f"postgresql+psycopg://batch@127.0.0.1:{port}/batchrun")
+    assert not raised.value.out_of_reach
+
+
 def test_ingest_counts_and_job_row(ledger: Ledger) -> None:
     make_job(ledger, 25)
     job = ledger.get_job("j")
@@ -312,6 +321,35 @@ def test_a_ledger_made_before_charged_attempts_takes_them(tmp_path: Path) -> Non
     ledger.join("j", "me", ttl=60)
     assert [c.charged for c in ledger.claim("j", "me", 2, lease_ttl=60)] == [0, 0]
     ledger.close()
+
+
+def test_a_postgresql_server_out_of_connections_is_waited_out_like_one_away(
+    postgres_server: str,
+) -> None:
+    # "sorry, too many clients already": many workers at once, or another program's pool. The
+    # others will let connections go, so it is waited out as an outage (out_of_reach), not a
+    # mistake that ends the run.
+    import psycopg
+
+    from tests.postgres import fresh_database
+
+    with fresh_database(postgres_server) as url:
+        ledger = Ledger(url)
+        make_job(ledger, 1)
+        ledger.engine.dispose()
+        plain, held = url.replace("postgresql+psycopg://", "postgresql://"), []
+        try:
+            with pytest.raises(psycopg.OperationalError, match="too many clients"):
+                while len(held) < 1000:
+                    held.append(psycopg.connect(plain))
+            with pytest.raises(LedgerError, match="too many clients") as raised:
+                ledger.counts("j")
+            assert raised.value.out_of_reach
+        finally:
+            for conn in held:
+                conn.close()
+        assert ledger.counts("j")["pending"] == 1
+        ledger.close()
 
 
 def test_a_runs_writes_may_sit_idle_no_longer_than_its_lease_on_postgresql(
