@@ -239,14 +239,14 @@ def results(job: str, *, home: PathLike = ".", ledger: str | None = None) -> Ite
     An unknown job is refused here, not at the first `next()`."""
     where = _home(home, ledger)
     with _ledger(where, existing=True) as led:
-        name = _job(led, where, job).name
-    return _results(where, name)
+        found = _job(led, where, job)
+    return _results(where, found.name, verbs.job_spec(found).model)
 
 
-def _results(where: Home, name: str) -> Iterator[Result]:
+def _results(where: Home, name: str, model: str | None) -> Iterator[Result]:
     with _ledger(where) as led:  # open while iterated; closed at the end or when dropped
         for item in led.iter_results(name):
-            yield result_of(item)
+            yield result_of(item, model)
 
 
 # --- how they are made -------------------------------------------------------------------------

@@ -44,6 +44,7 @@ class Result:
     repair_completion_tokens: int = 0
     reused_from: dict[str, Any] | None = None  # {"job", "line"} of the answer it reused
     answered_by: str | None = None  # the endpoint that answered, in a job with several
+    model: str | None = None  # the model that answered, where it is not the job's
 
     def to_json(self) -> dict[str, Any]:
         """The results file's native line."""
@@ -79,10 +80,15 @@ class Result:
             record["reused_from"] = self.reused_from
         if self.answered_by:
             record["answered_by"] = self.answered_by
+        if self.model:
+            record["model"] = self.model
         return record
 
 
-def result_of(item: StoredItem) -> Result:
+def result_of(item: StoredItem, job_model: str | None = None) -> Result:
+    """`item` as a result line; `model` named where another than the job's (`job_model`)
+    answered it: a resume under another --model, a line that asked its own."""
+    answered = item.answer_model
     return Result(
         id=_item_id(item),
         line=item.line,
@@ -104,11 +110,12 @@ def result_of(item: StoredItem) -> Result:
             {"job": item.reused_job, "line": item.reused_line} if item.reused_job else None
         ),
         answered_by=item.answered_by,
+        model=answered if answered and job_model and answered != job_model else None,
     )
 
 
 def native_record(item: StoredItem, model: str | None = None) -> dict[str, Any]:
-    return result_of(item).to_json()
+    return result_of(item, model).to_json()
 
 
 def _item_id(item: StoredItem) -> str | None:

@@ -499,3 +499,26 @@ def test_progress_counts_every_failed_line_a_repeated_request_fails(tmp_path: Pa
     failed = report.counts["failed"]
     assert failed and failed % 3 == 0
     assert (updates[-1].done, updates[-1].failed) == (30, failed)
+
+
+def test_lines_answered_under_an_earlier_model_say_so_in_the_results(tmp_path: Path) -> None:
+    # A resume under another --model: the results file mixed both models' answers without a
+    # word (the OpenAI format named each; the native one, what a pipeline reads, did not).
+    flaky = {"ttft_ms": 0.0, "tpot_ms": 0.0, "fault_seed": 3, "faults": {"500": 0.5}}
+    first = batchrun.submit(
+        rows(20),
+        job="j",
+        home=tmp_path,
+        backend="sim",
+        model="m1",
+        max_attempts=1,
+        sim_options=flaky,
+    )
+    assert first.counts["failed"] and first.counts["done"]
+    batchrun.retry("j", home=tmp_path)
+    assert batchrun.resume("j", home=tmp_path, model="m2", **SIM).ok
+    lines = [orjson.loads(x) for x in (tmp_path / "outputs" / "j.jsonl").read_bytes().splitlines()]
+    models = [line.get("model") for line in lines]
+    assert models.count("m1") == first.counts["done"]
+    assert models.count(None) == first.counts["failed"]  # the job's own model: not repeated
+    assert [r.model for r in batchrun.results("j", home=tmp_path)] == models
