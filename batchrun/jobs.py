@@ -248,12 +248,15 @@ async def run_job(
         ) as routes:
             opened = True
             models = {route.spec.model for route in routes}
-            if len(models) == 1:  # the model every request goes with (asked of the server when
-                spec = replace(spec, model=models.pop())  # not given): in requests and reuse
+            if len(models) == 1 and not spec.endpoints:  # the model every request goes with
+                # (asked of the server when not given), kept with the job; not an endpoints'
+                # job's, where an endpoint added later asks its own, as it lists none given
+                spec = replace(spec, model=models.pop())
             # joined as the runner will be, in the transaction that copies answers into the job
             settings = replace(settings, worker=settings.worker or uuid.uuid4().hex)
             joining = Joining(reuse.joined(spec), reuse.SAME, settings.lease_ttl, settings.worker)
-            reuse_run = partial(reuse.prepare, ledger, name, spec, log, joining)
+            keys = reuse.answer_keys(route.spec for route in routes)  # what its answers are under
+            reuse_run = partial(reuse.prepare, ledger, name, spec, log, joining, keys)
             # a database restarting as the run starts is waited out, as it is once running
             db = LedgerCalls(settings, outage_timeout=spec.outage_timeout, log=log, say=on_message)
             with leaving_if_stopped(ledger, name, settings.worker):  # prepare joined it

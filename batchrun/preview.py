@@ -14,6 +14,7 @@ from batchrun.config import RunSpec
 from batchrun.inputs import estimate_tokens
 from batchrun.ledger import Ledger
 from batchrun.limiter import estimate_split
+from batchrun.routes import endpoint_specs
 from batchrun.structured import MAX_LONGER
 from batchrun.validate import ERROR_CHARS, REPAIR_INSTRUCTION, load_schema, schema_of
 
@@ -47,11 +48,12 @@ def preview(ledger: Ledger, name: str, spec: RunSpec) -> Preview:
     --model, reuse is matched against the model named so far (a run asks the server first)."""
     defaults = spec.request_defaults()
     job_schema = orjson.dumps(load_schema(spec.schema)) if spec.schema else None
-    key = reuse.answer_spec(spec) if spec.reuse else None
+    specs = [endpoint for _, endpoint in endpoint_specs(spec)]  # each with its own model
+    keys = reuse.answer_keys(specs) if spec.reuse else None
 
     send, repeated, reused, (tokens_in, tokens_out) = ledger.preview(
         name,
-        key,
+        keys,
         reuse_since=reuse.since(spec),
         estimate=lambda body: with_follow_ups({**defaults, **body}, spec, job_schema),
     )
@@ -60,7 +62,8 @@ def preview(ledger: Ledger, name: str, spec: RunSpec) -> Preview:
         cost = Budget(price_in=spec.price_in or 0.0, price_out=spec.price_out or 0.0).cost(
             tokens_in, tokens_out
         )
-    return Preview(send, repeated, reused, tokens, cost, model_known=spec.model is not None)
+    known = all(endpoint.model is not None for endpoint in specs)
+    return Preview(send, repeated, reused, tokens, cost, model_known=known)
 
 
 def with_follow_ups(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,13 @@ def answer_spec(spec: RunSpec) -> str:
     if spec.schema:
         fields["schema"] = schema_digest(spec)
     return hashlib.sha256(orjson.dumps(fields, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def answer_keys(specs: Iterable[RunSpec]) -> tuple[str, ...]:
+    """The keys that answers made under these specs (a job's endpoints', each with its own
+    model) are filed under: an earlier answer under any of them is one this job could make,
+    and is reused (two endpoints serving two models: either's answer)."""
+    return tuple(dict.fromkeys(answer_spec(spec) for spec in specs))
 
 
 def schema_digest(spec: RunSpec) -> str | None:
@@ -86,16 +94,16 @@ def seconds(text: str, *, key: str, unit: bool = False) -> float:
 
 
 def prepare(
-    ledger: Ledger, name: str, spec: RunSpec, log: JobLog, joining: Joining
+    ledger: Ledger, name: str, spec: RunSpec, log: JobLog, joining: Joining, keys: tuple[str, ...]
 ) -> tuple[int, int]:
     """Before sending: repeated lines wait for their first line's answer, and earlier jobs'
-    answers to the same requests are copied (both off with --no-reuse), after `joining`'s
-    check (refused: nothing copied). (waiting, reused)."""
+    answers to the same requests under one of `keys` (answer_keys) are copied (both off with
+    --no-reuse), after `joining`'s check (refused: nothing copied). (waiting, reused)."""
     if not spec.reuse:
         ledger.forget_duplicates(name)  # marked by a run before: every line is sent
         return 0, 0
     started = time.perf_counter()
-    found = ledger.prepare_reuse(name, answer_spec(spec), reuse_since=since(spec), joining=joining)
+    found = ledger.prepare_reuse(name, keys, reuse_since=since(spec), joining=joining)
     took = round(time.perf_counter() - started, 3)
     log.event(
         "reuse", duplicates=found[0], reused=found[1], max_age=spec.reuse_max_age, seconds=took

@@ -39,6 +39,9 @@ from batchrun.ledger.records import ItemResult
 from batchrun.ledger.schema import FINAL_STATUSES, items
 from batchrun.ledger.schema import waits as waiting
 
+# The answer specs (reuse.py's keys) an earlier answer may have been made under: one, or a
+# job's endpoints' (each with its own model).
+Keys = str | tuple[str, ...]
 # What a reused or fanned-out line takes from the answer it copies.
 COPIED = (
     "status",
@@ -165,13 +168,14 @@ def settle_strays(conn: Connection, job: str, now: float) -> int:
 
 
 def _answered_before(
-    me: FromClause, src: FromClause, job: str, answer_spec: str, since: float | None
+    me: FromClause, src: FromClause, job: str, keys: Keys, since: float | None
 ) -> ColumnElement[bool]:
-    """`src` is an earlier job's answer to `me`'s request under `answer_spec`: what reuse
-    matches (the index on (digest, answer_spec) holds exactly the done answers)."""
+    """`src` is an earlier job's answer to `me`'s request under one of `keys` (answer specs):
+    what reuse matches (the index on (digest, answer_spec) holds exactly the done answers)."""
+    keys = (keys,) if isinstance(keys, str) else keys
     match = and_(
         src.c.digest == me.c.digest,
-        src.c.answer_spec == answer_spec,
+        src.c.answer_spec == keys[0] if len(keys) == 1 else src.c.answer_spec.in_(keys),
         src.c.status == "done",
         src.c.endpoint == me.c.endpoint,
         src.c.job != job,
@@ -180,14 +184,14 @@ def _answered_before(
 
 
 def reuse_earlier(
-    conn: Connection, job: str, answer_spec: str, *, since: float | None, now: float
+    conn: Connection, job: str, keys: Keys, *, since: float | None, now: float
 ) -> int:
     """Copy earlier jobs' done results onto this job's pending items with the same request
     and answer options (made at `since` or later); how many items were answered. One
     UPDATE ... FROM (SQLite 3.33+, PostgreSQL): the join runs in the database, each pending
     item probing the (digest, answer_spec) index once; of several matches, any one serves."""
     me, src = items.alias("me"), items.alias("src")
-    match = _answered_before(me, src, job, answer_spec, since)
+    match = _answered_before(me, src, job, keys, since)
     found = (
         select(
             me.c.line.label("l"),
@@ -262,7 +266,7 @@ def finished(
 def preview(
     conn: Connection,
     job: str,
-    answer_spec: str | None,
+    keys: Keys | None,
     *,
     since: float | None,
     estimate: Callable[[dict[str, Any]], tuple[int, int]],
@@ -270,10 +274,10 @@ def preview(
     """What a run would do now, sending nothing: (items to send, repeated lines answered
     once, items an earlier job answered, estimated prompt and output tokens of what would be
     sent).
-    `answer_spec` None: nothing is reused or deduplicated (--no-reuse)."""
+    `keys` None: nothing is reused or deduplicated (--no-reuse)."""
     src = items.alias("src")
-    match = _answered_before(items, src, job, answer_spec or "", since)
-    answered = exists().where(match) if answer_spec else literal(False)
+    match = _answered_before(items, src, job, keys or "", since)
+    answered = exists().where(match) if keys else literal(False)
     # In request order, so that a request's lines come together: only the one before is kept.
     query = (
         select(items.c.endpoint, items.c.digest, items.c.body, answered)
@@ -286,7 +290,7 @@ def preview(
     first = False  # whether the request's first line would be reused
     send = repeated = reused = tokens_in = tokens_out = 0
     for endpoint, digest, body, earlier in conn.execute(query):
-        if answer_spec and (endpoint, digest) == key:
+        if keys and (endpoint, digest) == key:
             reused += first
             repeated += not first
             continue

@@ -313,7 +313,7 @@ class Ledger:
     def prepare_reuse(
         self,
         name: str,
-        answer_spec: str,
+        keys: reuse.Keys,
         *,
         reuse_since: float | None,
         earlier: bool = True,
@@ -335,7 +335,7 @@ class Ledger:
             if not earlier:
                 return waiting, 0
             now = time.time()
-            reused = reuse.reuse_earlier(conn, name, answer_spec, since=reuse_since, now=now)
+            reused = reuse.reuse_earlier(conn, name, keys, since=reuse_since, now=now)
             return reuse.still_waiting(conn, name) if reused else waiting, reused
 
     def forget_duplicates(self, name: str) -> int:
@@ -347,14 +347,14 @@ class Ledger:
     def preview(
         self,
         name: str,
-        answer_spec: str | None,
+        keys: reuse.Keys | None,
         *,
         reuse_since: float | None,
         estimate: Callable[[dict[str, Any]], tuple[int, int]],
     ) -> tuple[int, int, int, tuple[int, int]]:
         """What a run would send now (see reuse.preview); a read."""
         with self._read("estimating the job") as conn:
-            return reuse.preview(conn, name, answer_spec, since=reuse_since, estimate=estimate)
+            return reuse.preview(conn, name, keys, since=reuse_since, estimate=estimate)
 
     def collect(self, *, before: float, everything: bool, ttl: float) -> Collected:
         """Remove jobs untouched since `before` that no live worker runs (see gc.py); then
