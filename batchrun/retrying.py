@@ -34,8 +34,6 @@ T = TypeVar("T")
 Sleep = Callable[[float], Awaitable[None]]
 Clock = Callable[[], float]
 
-OUTAGE_STATUSES = (500, 502, 503, 504)
-
 
 class OutageWatch:
     """Tells an outage (nobody gets answers) from poison items (a few prompts always fail).
@@ -129,7 +127,8 @@ def looks_like_outage(exc: TransientError) -> bool:
     """Failures that a down or broken server gives every request alike."""
     if isinstance(exc, (ConnectionFailed, RequestTimeout)):
         return True
-    return isinstance(exc, Overloaded) and exc.status in OUTAGE_STATUSES
+    # Every 5xx: behind a proxy a dead origin answers 520-524, an overloaded one 529.
+    return isinstance(exc, Overloaded) and (exc.status or 0) >= 500
 
 
 def endpoint_failure(exc: RequestError) -> bool:

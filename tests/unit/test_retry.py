@@ -272,6 +272,15 @@ def test_other_transient_errors_do_not_mark_down(error: TransientError) -> None:
     watch.check()  # does not raise
 
 
+@pytest.mark.parametrize("status", [500, 520, 524, 529])
+def test_any_5xx_on_two_items_marks_the_endpoint_down(status: int) -> None:
+    # A proxy's 520-524 (its origin dead) and 529 (overloaded) failed lines one by one.
+    watch = OutageWatch(30.0, clock=FakeTime())
+    watch.failure(Overloaded(f"HTTP {status}", status=status), key=1)
+    watch.failure(Overloaded(f"HTTP {status}", status=status), key=2)
+    assert watch.down
+
+
 def test_success_clears_outage() -> None:
     watch = OutageWatch(30.0, clock=FakeTime())
     watch.failure(ConnectionFailed("refused"), key=1)
