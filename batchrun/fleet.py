@@ -35,7 +35,14 @@ from typing import Any
 
 import anyio
 
-from batchrun.errors import EndpointDown, FatalError, RateLimited, RequestError, TransientError
+from batchrun.errors import (
+    EndpointDown,
+    FatalError,
+    RateLimited,
+    RequestError,
+    StreamCut,
+    TransientError,
+)
 from batchrun.lanes import PROBE_FIRST_S, EndpointUse, Lane
 from batchrun.retrying import Clock, endpoint_failure
 
@@ -307,6 +314,9 @@ class Fleet:
             lane.rests_until = max(lane.rests_until, self.clock() + (exc.retry_after or 1.0))
         elif not endpoint_failure(exc) or lane.outage.suspect(key):
             return False
+        if isinstance(exc, StreamCut) and lane.state == "up":  # a broken answer, counted as
+            lane.refusal = str(exc)  # a refusal: one that breaks line after line that others
+            self._refused.setdefault(key, set()).add(lane)  # answer is drained (success)
         if self._free[key] >= FREE_TRIES * len(self.lanes):
             return False  # it fails wherever it goes: its own fault, its attempts count
         if any(self._takes(other, key, limited) for other in self.lanes if other is not lane):
@@ -317,11 +327,15 @@ class Fleet:
         return False
 
     def _takes(self, lane: Lane, key: Hashable, awake: bool = True) -> bool:
-        """Whether `lane` takes the item another failed: it is up, has not refused it, and
-        (if `awake`) is not resting after a 429 of its own."""
+        """Whether `lane` takes the item another failed: it is up, has not refused it, and (if
+        `awake`: now, not after a 429's wait) is not resting after a 429 of its own, nor a
+        fallback while a weighted lane is up, resting or not (_take sends it nothing then)."""
         if lane.state != "up" or lane in self._refused.get(key, ()):
             return False
-        return not awake or lane.rests_until <= self.clock()
+        if not awake:
+            return True
+        weighted = any(other.route.weight and other.state == "up" for other in self.lanes)
+        return lane.rests_until <= self.clock() and not (weighted and not lane.route.weight)
 
     def resend_now(self, key: Hashable) -> bool:
         """Whether the item's next try should go at once: its lane refused it, or is down or
