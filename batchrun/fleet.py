@@ -35,16 +35,9 @@ from typing import Any
 
 import anyio
 
-from batchrun.errors import (
-    EndpointDown,
-    FatalError,
-    RateLimited,
-    RequestError,
-    StreamCut,
-    TransientError,
-)
-from batchrun.lanes import PROBE_FIRST_S, EndpointUse, Lane
-from batchrun.retrying import Clock, endpoint_failure
+from batchrun.errors import EndpointDown, FatalError, RateLimited, RequestError, TransientError
+from batchrun.lanes import PROBE_FIRST_S, EndpointUse, Lane, every_lane_lost
+from batchrun.retrying import Clock, broken, endpoint_failure
 
 PROBE_MOST_S = 30.0
 AFFINITY_GROUPS = 4096  # prefix groups whose lane is remembered
@@ -200,6 +193,8 @@ class Fleet:
         if any(lane.route.weight > 0 for lane in up):  # weight 0: a fallback
             up = [lane for lane in up if lane.route.weight > 0]
         up = [lane for lane in up if lane.rests_until <= now] or up  # after a 429: others first
+        # an endpoint whose own --rpm would hold the request waits while another may send now
+        up = [lane for lane in up if lane.throttle.pacer.ready(now)] or up
         # the lane the item last failed to reach goes last: it stays "up" for one line's
         # failures, and as its group's lane, or the least loaded, would take every retry back
         missed = self._missed.get(key)
@@ -314,7 +309,7 @@ class Fleet:
             lane.rests_until = max(lane.rests_until, self.clock() + (exc.retry_after or 1.0))
         elif not endpoint_failure(exc) or lane.outage.suspect(key):
             return False
-        if isinstance(exc, StreamCut) and lane.state == "up":  # a broken answer, counted as
+        if broken(exc) and lane.state == "up":  # a broken answer (cut, not JSON), counted as
             lane.refusal = str(exc)  # a refusal: one that breaks line after line that others
             self._refused.setdefault(key, set()).add(lane)  # answer is drained (success)
         if self._free[key] >= FREE_TRIES * len(self.lanes):
@@ -363,19 +358,8 @@ class Fleet:
         if not live:
             assert self._out_error is not None
             raise self._out_error
-        if self.grace <= 0:
-            return
-        now = self.clock()
-        lost = [lane for lane in live if lane.lost(now, self.grace)]
-        # the lanes drained for refusing lines are no reason to go on without the others
-        if lost and len(lost) + sum(lane.refusing for lane in live) == len(live):
-            errors = "; ".join(
-                [f"{lane.name}: {lane.outage.last_error}" for lane in lost]
-                + [f"{lane.name}: {lane.reason}" for lane in live if lane.refusing]
-            )
-            raise EndpointDown(
-                f"every endpoint unreachable for over {self.grace:g}s; last errors: {errors}"
-            )
+        if self.grace > 0 and (why := every_lane_lost(live, self.clock(), self.grace)):
+            raise EndpointDown(f"every endpoint unreachable for over {self.grace:g}s; {why}")
 
     def forget(self, key: Hashable) -> None:
         """The item is over (a result, or given up): nothing about it is kept."""

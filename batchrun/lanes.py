@@ -88,3 +88,15 @@ class Lane:
         return EndpointUse(
             self.name, self.state, self.answered, self.errors, self.throttle.limit, self.reason
         )
+
+
+def every_lane_lost(live: list[Lane], now: float, grace: float) -> str | None:
+    """Why the job cannot go on, when every live lane is down past the grace or drained for
+    refusing lines (some down past it: the drained alone are no reason to stop); else None."""
+    lost = [lane for lane in live if lane.lost(now, grace)]
+    if not lost or len(lost) + sum(lane.refusing for lane in live) != len(live):
+        return None
+    return "last errors: " + "; ".join(
+        [f"{lane.name}: {lane.outage.last_error}" for lane in lost]
+        + [f"{lane.name}: {lane.reason}" for lane in live if lane.refusing]
+    )

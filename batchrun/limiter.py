@@ -51,6 +51,11 @@ class TokenBucket:
         self.level -= amount
         return 0.0 if self.level >= 0 else -self.level / self.rate
 
+    def ready(self, now: float) -> bool:
+        """Whether a request taken at `now` would go without waiting (nothing is taken)."""
+        since = 0.0 if self.updated is None else now - self.updated
+        return min(self.capacity, self.level + since * self.rate) >= 1.0
+
     def correct(self, now: float, estimated: float, actual: float) -> None:
         """Give back (or charge) the difference once the real usage is known."""
         self._refill(now)
@@ -93,6 +98,13 @@ class Pacer:
         if self.tokens is not None:
             wait = max(wait, self.tokens.take(now, estimated_tokens))
         return wait
+
+    def ready(self, now: float) -> bool:
+        """Whether a request could go at `now` without a wait (not paused, its --rpm budget
+        has one; the tokens it will estimate are not known yet): nothing is reserved."""
+        if self.pause_until > now or self._next_send > now:
+            return False
+        return self.requests is None or self.requests.ready(now)
 
     def share(self, workers: int, *, rank: int = 0) -> None:
         """--rpm/--tpm are budgets for the whole job: with `workers` live, take a part each;

@@ -133,11 +133,14 @@ def looks_like_outage(exc: TransientError) -> bool:
 
 def endpoint_failure(exc: RequestError) -> bool:
     """Failures that an endpoint going down gives the requests it has in flight: refused or
-    reset connections, timeouts, 5xx, and answers cut off mid-stream."""
-    if not isinstance(exc, TransientError):
-        return False
-    cut = isinstance(exc, StreamCut) and not isinstance(exc, EmptyStream)
-    return cut or looks_like_outage(exc)
+    reset connections, timeouts, 5xx, and broken answers."""
+    return isinstance(exc, TransientError) and (broken(exc) or looks_like_outage(exc))
+
+
+def broken(exc: RequestError) -> bool:
+    """An answer cut off mid-stream, or not JSON: the endpoint's fault, not the line's (an
+    empty stream is llama-cpp-python's answer to a prompt too long)."""
+    return isinstance(exc, StreamCut) and not isinstance(exc, EmptyStream)
 
 
 class Outages(Protocol):

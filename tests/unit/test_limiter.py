@@ -137,3 +137,12 @@ def test_a_workers_part_of_the_jobs_budget() -> None:
     assert 200 <= sent_in_a_minute(shared) <= 220
     shared.share(1)  # the others left: the whole budget again
     assert shared.requests is not None and shared.requests.rate == 10.0
+
+
+def test_ready_says_whether_a_request_would_go_now_and_takes_nothing() -> None:
+    pacer = Pacer(rpm=2)
+    assert pacer.ready(0.0) and pacer.ready(0.0)  # asking takes nothing
+    assert pacer.wait(0.0, 10) == 0
+    assert not pacer.ready(0.0) and not pacer.ready(29.0)
+    assert pacer.ready(30.0)  # a request's worth again, at 2 a minute
+    assert Pacer().ready(0.0)  # no --rpm: always
