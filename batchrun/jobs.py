@@ -319,7 +319,8 @@ async def _batches_first(
     try:
         worker = uuid.uuid4().hex  # joined in the pass that copies, as the batch run's worker
         joining = Joining(reuse.joined(spec), reuse.SAME, spec.lease, worker)
-        reuse_run = partial(reuse.prepare, ledger, name, spec, log, joining)
+        keys = reuse.answer_keys([spec])  # a hosted batch's answers are under the job's
+        reuse_run = partial(reuse.prepare, ledger, name, spec, log, joining, keys)
         with leaving_if_stopped(ledger, name, worker):  # one that never started (a bad key)
             waiting, reused = await anyio.to_thread.run_sync(reuse_run)
             stats = await batch_mode.run_batches(
