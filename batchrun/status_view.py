@@ -56,6 +56,7 @@ def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
             "base_url": spec.get("base_url") and shown_endpoint(spec["base_url"]),
             "model": spec.get("model"),
             "endpoint": spec.get("endpoint"),
+            "several": len(spec.get("endpoints") or ()),  # endpoints given: each shown below
         },
         "concurrency": spec.get("concurrency"),
         "schema": spec.get("schema"),
@@ -145,7 +146,9 @@ def render_detail(d: dict[str, Any]) -> str:
         f"job        {d['job']}  ({d['state']})",
         f"input      {d['input']}",
         f"items      {d['total']}: {counts or 'none'}",
-        f"endpoint   {ep['backend']} {ep['base_url']} model={ep['model']} ({ep['endpoint']})",
+        f"endpoint   {ep['backend']} {ep['base_url']} model={ep['model']} ({ep['endpoint']})"
+        if ep.get("several", 0) < 2
+        else f"endpoints  {ep['several']}, each below ({ep['endpoint']})",
         f"tokens     {d['prompt_tokens']:,} prompt, {d['completion_tokens']:,} completion",
         f"requests   {d['attempts']:,} attempts",
         f"latency    p50 {ms(lat['p50'])}, p95 {ms(lat['p95'])}, p99 {ms(lat['p99'])}",

@@ -235,6 +235,8 @@ async def test_an_endpoint_left_out_at_start_is_in_the_summary_with_its_reason(
     assert job is not None
     text = render_detail(job_detail(ledger, job))  # `status` names it too
     assert "endpoint   a: up, 40 done" in text and "endpoint   b: out (" in text
+    # the header named the first endpoint's URL and model=None, as if it were the job's one
+    assert "endpoints  2, each below (chat)" in text and "model=None" not in text
     assert "401" in text
     assert answered_by(ledger) == Counter({"a": 40})  # a job of several names who answered
 
@@ -344,6 +346,8 @@ async def test_status_shows_each_endpoint(tmp_path: Path) -> None:
     assert shown["b"]["state"] == "out" and shown["b"]["errors"] == 1
     text = render_detail(detail)
     assert "endpoint   a: up, 40 done" in text and "endpoint   b: out (" in text
+    # the header named the first endpoint's URL and model=None, as if it were the job's one
+    assert "endpoints  2, each below (chat)" in text and "model=None" not in text
 
 
 @pytest.mark.anyio
