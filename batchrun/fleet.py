@@ -72,9 +72,11 @@ class Fleet:
         clock: Clock,
         on_event: Callable[..., None] | None = None,
         left_out: Sequence[EndpointUse] = (),
+        named: bool = False,
     ) -> None:
         self.lanes = lanes
         self.left_out = tuple(left_out)  # endpoints left out at start: named, never sent to
+        self.named = named or bool(left_out)  # results name their endpoint: given by name
         self.only = lanes[0] if len(lanes) == 1 else None  # one endpoint: the fast path
         self.clock = clock
         self.grace = lanes[0].outage.grace

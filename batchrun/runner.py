@@ -64,10 +64,7 @@ class Runner:
         settings: RunnerSettings | None = None,
         left_out: Sequence[EndpointUse] = (),
     ) -> None:
-        self.ledger = ledger
-        self.routes = routes
-        self.job = job
-        self.spec = spec
+        self.ledger, self.routes, self.job, self.spec = ledger, routes, job, spec
         self.log = log
         self.progress = progress
         self.settings = settings or RunnerSettings()
@@ -79,6 +76,7 @@ class Runner:
             clock=self.settings.clock,
             on_event=self._endpoint_event,
             left_out=left_out,
+            named=bool(spec.endpoints),
         )
         self._db = LedgerCalls(
             self.settings,

@@ -293,9 +293,9 @@ class Sender:
             self.log.event("guided_refused", error=error)
 
     def _named(self, lane: Lane) -> str | None:
-        """The endpoint a result records: named with several, one left out at the start
-        included (one needs no name)."""
-        return None if self.fleet.only and not self.fleet.left_out else lane.name
+        """The endpoint a result records: named with several (one left out at the start
+        included), or given by name (`--endpoint a=URL`); a job's one URL needs none."""
+        return None if self.fleet.only and not self.fleet.named else lane.name
 
     def _model(self, item: ClaimedItem, lane: Lane) -> str | None:
         """The model its request asked for: the line's own, the job's, or its endpoint's."""

@@ -134,6 +134,15 @@ async def test_work_is_shared_and_each_result_names_its_endpoint(tmp_path: Path)
 
 
 @pytest.mark.anyio
+async def test_one_endpoint_given_by_name_is_named_in_its_results(tmp_path: Path) -> None:
+    # A job of two endpoints resumed on one of them (`--endpoint a=URL`): its later lines had
+    # no answered_by, the earlier ones had: one results file, two shapes.
+    hosts = Hosts({"a.test": SimConfig()})
+    ledger, _ = await run(tmp_path, hosts, endpoints=["a=http://a.test/v1"])
+    assert answered_by(ledger) == Counter({"a": 40})
+
+
+@pytest.mark.anyio
 async def test_one_endpoint_has_no_name_in_its_results(tmp_path: Path) -> None:
     hosts = Hosts({"a.test": SimConfig()})
     ledger, _ = await run(tmp_path, hosts, base_url="http://a.test/v1")
