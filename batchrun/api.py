@@ -28,7 +28,8 @@ from batchrun import jobs as verbs
 from batchrun.config import RunOptions, RunSpec
 from batchrun.errors import UsageError
 from batchrun.jobs import Home
-from batchrun.ledger import IngestReport, Job, Ledger, ledger_file, left, shown_url
+from batchrun.ledger import IngestReport, Job, Ledger, Worker, ledger_file, left, shown_url
+from batchrun.ledger.workers import pid_alive, this_machine
 from batchrun.outputs import FORMATS, Result, result_of
 from batchrun.preview import preview
 from batchrun.progress import ProgressUpdate
@@ -281,10 +282,23 @@ async def _run(led: Ledger, where: Home, name: str, spec: RunSpec, listen: _List
     # the results file is written here: off the event loop, which may be the caller's
     counts, complete = await anyio.to_thread.run_sync(verbs.finish, led, where, name, final_spec)
     output = where.output_path(name) if complete else None
-    # beat during it (a leave beats too); a dead one is marked stopped by this run's reclaim
-    took_part = sum(w.heartbeat >= started for w in led.workers(name))
+    took_part = sum(_took_part(w, started, spec.lease) for w in led.workers(name))
     report = JobReport(name, counts, complete, output, notes=notes, stats=stats)
     return replace(report, workers=max(1, took_part))
+
+
+def _took_part(worker: Worker, started: float, lease: float) -> bool:
+    """Whether `worker` ran during a run that began at `started`: it beat since (a leave beats
+    too), or it beat within its lease before and its process is still there (one that joined
+    a moment before beats next 20 s on); not one dead before (killed, its pid gone: this
+    run's reclaim marked it stopped since), nor one stopped before."""
+    if worker.stopped_at is not None and worker.stopped_at < started:
+        return False
+    if worker.heartbeat >= started:
+        return True
+    here = worker.machine == this_machine()
+    alive = pid_alive(worker.pid) if here else worker.stopped_at is None
+    return alive and worker.heartbeat + (worker.lease or lease) >= started
 
 
 def _standing(led: Ledger, where: Home, name: str) -> JobReport:

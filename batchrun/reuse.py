@@ -27,6 +27,7 @@ from batchrun.errors import OptionError, UsageError
 from batchrun.inputs import file_digest
 from batchrun.ledger import Joining, Ledger
 from batchrun.progress import JobLog
+from batchrun.routes import endpoint_specs
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 AGE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*")
@@ -37,7 +38,12 @@ AGE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*")
 # an edit); the keys a worker's spec must share with the live workers' (the simulator's options
 # decide its answers too).
 SCHEMA_DIGEST = "schema_sha256"
-SAME = (*ANSWER_FIELDS, "sim_options", SCHEMA_DIGEST)
+# Whether its answers are made up (`--backend sim`: its options alone would let it beside a
+# real server of the same model name), and the model each endpoint given by name asks.
+SIMULATED = "simulated_answers"
+ENDPOINT_MODELS = "endpoint_models"
+ADDED = (SCHEMA_DIGEST, SIMULATED, ENDPOINT_MODELS)
+SAME = (*ANSWER_FIELDS, "sim_options", *ADDED)
 
 
 def answer_spec(spec: RunSpec) -> str:
@@ -68,12 +74,18 @@ def schema_digest(spec: RunSpec) -> str | None:
 
 def joined(spec: RunSpec) -> dict[str, Any]:
     """A run's spec as its worker stores it with the job, and as workers compare (SAME)."""
-    return {**spec.to_json(), SCHEMA_DIGEST: schema_digest(spec)}
+    models = {e.name: own.model for e, own in endpoint_specs(spec)} if spec.endpoints else None
+    return {
+        **spec.to_json(),
+        SCHEMA_DIGEST: schema_digest(spec),
+        SIMULATED: True if spec.backend == "sim" else None,  # none: as a job stored before
+        ENDPOINT_MODELS: models,
+    }
 
 
 def options(stored: dict[str, Any]) -> dict[str, Any]:
     """A job's stored spec without what `joined` added: its options."""
-    return {key: value for key, value in stored.items() if key != SCHEMA_DIGEST}
+    return {key: value for key, value in stored.items() if key not in ADDED}
 
 
 def seconds(text: str, *, key: str, unit: bool = False) -> float:
