@@ -17,7 +17,7 @@ from collections.abc import Callable
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from batchrun.ledger import ClaimedItem, Ledger
+from batchrun.ledger import ClaimedItem, Joining, Ledger
 from batchrun.ledger_calls import LedgerCalls
 from batchrun.progress import JobLog
 from batchrun.run_state import RunnerSettings
@@ -47,6 +47,7 @@ class Feeder:
         settings: RunnerSettings,
         log: JobLog,
         by_prefix: bool = True,
+        rejoining: Joining | None = None,
     ) -> None:
         self.by_prefix = by_prefix  # claim order: prefix groups together, or input order
         self.ledger = ledger
@@ -63,6 +64,31 @@ class Feeder:
         self._answered = 0  # since `_since`
         self._since = settings.clock()
         self._recently = 0  # answered in the last whole BACKLOG_S
+        self.rejoining = rejoining  # how it joins again after a silence (None: it never does)
+        self.beat_at = settings.clock()  # when the latest beat that renewed its leases began
+        self._lost: set[int] = set()  # lines it held that others may hold now
+        self._rechecking = anyio.Lock()
+
+    async def still_held(self, line: int) -> bool:
+        """Whether this worker still holds `line`, to send it (see `recheck`)."""
+        await self.recheck()
+        return line not in self._lost
+
+    async def recheck(self) -> None:
+        """Silent past its lease (frozen, its ledger away), this worker may have been taken
+        for gone and its items given to others: it joins again (Ledger.rejoin: the lines it
+        still holds; refused where the workers since ask for other answers), and sends only
+        those, not what others hold now (paid twice). Its heartbeat rechecks before it beats."""
+        lease, clock = self.settings.lease_ttl, self.settings.clock
+        if self.rejoining is None or clock() - self.beat_at <= lease:
+            return
+        async with self._rechecking:  # one look for all the workers that find it silent
+            if clock() - self.beat_at > lease:
+                began = clock()
+                ours = await self._db(self.ledger.rejoin, self.job, self.rejoining)
+                self._lost |= self.held - ours
+                self.held &= ours
+                self.beat_at = began
 
     def answered(self) -> None:
         """One claimed item is answered (or dropped at a stop): room for another."""
@@ -71,9 +97,8 @@ class Feeder:
         self._room.set()
 
     async def run(self, send: MemoryObjectSendStream[ClaimedItem]) -> None:
-        after = (
-            -1
-        )  # claims walk forward; what other workers put back is found by a look from the start
+        # claims walk forward; what other workers put back is found by a look from the start
+        after = -1
         async with send:
             while not self.stopping.is_set():
                 size = await self._claim_size()

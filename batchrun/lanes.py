@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from batchrun.backends import Backend
 from batchrun.config import RunSpec, preset_for
+from batchrun.progress import JobLog
 from batchrun.retrying import OutageWatch
 from batchrun.server_metrics import ServerLoad
 from batchrun.throttle import Throttle
@@ -100,3 +101,22 @@ def every_lane_lost(live: list[Lane], now: float, grace: float) -> str | None:
         [f"{lane.name}: {lane.outage.last_error}" for lane in lost]
         + [f"{lane.name}: {lane.reason}" for lane in live if lane.refusing]
     )
+
+
+async def watch_server(lane: Lane, log: JobLog) -> None:
+    """Drive the lane's limit from its server's own load page, and say in the log which page
+    of which engine it is (or that it has none)."""
+    read = lane.route.server_load
+    assert read is not None
+    found = False
+
+    async def logged() -> ServerLoad | None:
+        nonlocal found
+        load = await read()
+        if load is not None and not found:  # which page of which engine drives the limit
+            found = True
+            log.event("server_metrics", available=True, source=load.source, endpoint=lane.name)
+        return load
+
+    if not await lane.throttle.watch_server(logged):
+        log.event("server_metrics", available=False, endpoint=lane.name)

@@ -34,8 +34,8 @@ from batchrun.errors import (
 from batchrun.feeder import Feeder
 from batchrun.fleet import Fleet
 from batchrun.group_commit import write_in_groups
-from batchrun.lanes import EndpointUse, Lane, Route
-from batchrun.ledger import FINAL_STATUSES, ClaimedItem, ItemResult, Ledger, left
+from batchrun.lanes import EndpointUse, Lane, Route, watch_server
+from batchrun.ledger import FINAL_STATUSES, ClaimedItem, ItemResult, Joining, Ledger, left
 from batchrun.ledger_calls import LedgerCalls
 from batchrun.progress import JobLog, Progress
 from batchrun.retrying import OutageWatch, RetryPolicy, until_set
@@ -43,7 +43,6 @@ from batchrun.reuse import SAME, answer_spec, joined
 from batchrun.routes import by_prefix
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.sender import Sender
-from batchrun.server_metrics import ServerLoad
 from batchrun.structured import OutputRules
 from batchrun.throttle import Throttle
 
@@ -98,6 +97,7 @@ class Runner:
             settings=self.settings,
             log=log,
             by_prefix=by_prefix(spec, routes),
+            rejoining=Joining(joined(spec), SAME, self.settings.lease_ttl, self.owner),
         )
         self._stopping = self.feeder.stopping
         if progress is not None:
@@ -120,6 +120,7 @@ class Runner:
         )
         self.sender.warm_groups = self.feeder.by_prefix
         self.sender.stopping = self._stopping
+        self.sender.holds = self.feeder.still_held
 
     def _lane(self, route: Route) -> Lane:
         """An endpoint's own throttle (adaptive limit, rpm/tpm) and outage watch."""
@@ -188,7 +189,7 @@ class Runner:
                     side.start_soon(self._drain_on_stop)
                     for lane in self.fleet.lanes:
                         if lane.route.server_load is not None:
-                            side.start_soon(self._watch_server, lane)
+                            side.start_soon(watch_server, lane, self.log)
                     await self._run_workers(results_send)
                     side.cancel_scope.cancel()
         except BaseException:
@@ -243,24 +244,6 @@ class Runner:
                 interrupted=self.stats.interrupted,
                 elapsed_s=round(self.stats.elapsed, 3),
             )
-
-    async def _watch_server(self, lane: Lane) -> None:
-        read = lane.route.server_load
-        assert read is not None
-        found = False
-
-        async def logged() -> ServerLoad | None:
-            nonlocal found
-            load = await read()
-            if load is not None and not found:  # which page of which engine drives the limit
-                found = True
-                self.log.event(
-                    "server_metrics", available=True, source=load.source, endpoint=lane.name
-                )
-            return load
-
-        if not await lane.throttle.watch_server(logged):
-            self.log.event("server_metrics", available=False, endpoint=lane.name)
 
     def _endpoints(self) -> dict[str, Any] | None:
         """Per endpoint, for `status`, with several (one left out at start counts)."""
@@ -345,6 +328,8 @@ class Runner:
             await self._share_budget()
             await self._watch_spending()
             await anyio.sleep(self.settings.lease_ttl / 3)
+            await self.feeder.recheck()  # first, after a silence past the lease
+            began = self.settings.clock()
             reclaimed = await self._db(
                 self.ledger.heartbeat,
                 self.job,
@@ -354,6 +339,7 @@ class Runner:
                 limits=list(self._limit_log),
                 endpoints=self._endpoints(),
             )
+            self.feeder.beat_at = began  # its leases renewed from then on
             if reclaimed:  # a worker that is gone left these: back to pending, for anyone
                 self.log.event("reclaimed", items=reclaimed)
 

@@ -10,7 +10,7 @@ said once in the log).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,9 @@ class Sender:
         self.warm_groups = True  # a group's later lines wait for its first (prefix order)
         # The run's stop: a request not yet sent by then is not sent (the runner's own event).
         self.stopping = anyio.Event()
+        # Whether this worker still holds a line, as it is about to send it (the feeder's
+        # still_held: a worker frozen past its lease may have lost its lines to others).
+        self.holds: Callable[[int], Awaitable[bool]] | None = None
         # Items this run ends without a result for, and what it spent on them: stored as they
         # go back to pending, so attempts and --max-attempts go on at the next run.
         self.spent: list[Spent] = []
@@ -167,6 +170,8 @@ class Sender:
             ) as slot:
                 if self.stopping.is_set():  # it waited for its slot, or to retry, past a stop
                     raise _Stopped("the run was stopped before this request was sent")
+                if self.holds is not None and not await self.holds(item.line):
+                    raise _Stopped("another worker holds it now: this one was taken for gone")
                 slot.warm = warm.done if warm is not None else None  # first token: the rest go
                 # Counted when sent (every request sent gets its attempt line); a retry is the
                 # same request again (repairs are new requests, not retries).

@@ -123,15 +123,9 @@ class Ledger:
         with self._write("loading the input") as conn:
             if conn.execute(select(jobs.c.name).where(jobs.c.name == name)).first():
                 raise JobExists(f"job {name!r} already exists")
-            new_job = jobs.insert().values(
-                name=name,
-                input_path=input_path,
-                input_digest="",
-                spec=as_json(spec),
-                total=0,
-                created_at=now,
-                updated_at=now,
-            )
+            row = {"name": name, "input_path": input_path, "input_digest": "", "total": 0}
+            new_job = jobs.insert().values(spec=as_json(spec), created_at=now, updated_at=now)
+            new_job = new_job.values(**row)
             try:
                 conn.execute(new_job)
             except IntegrityError:  # PostgreSQL: another process made it since we looked
@@ -178,6 +172,12 @@ class Ledger:
             back = workers.join_as(conn, name, worker, joining, store=stored, reclaim_dead=True)
         self.idle_ms = max(1000, int(ttl * 1000))  # joined: the run's writes (dialect.py)
         return back
+
+    def rejoin(self, name: str, joining: Joining) -> set[int]:
+        """A worker back after a silence past its lease, checked as a join is, its leases
+        renewed: the lines it still holds (others may hold the rest now). See workers.rejoin."""
+        with self._write("joining again") as conn:
+            return workers.rejoin(conn, name, joining)
 
     def heartbeat(
         self,

@@ -146,12 +146,28 @@ def beat(
     )
     # A running job is touched: `gc` takes a job untouched for its age for abandoned.
     conn.execute(update(jobs).where(jobs.c.name == name).values(updated_at=time.time()))
-    conn.execute(
-        update(items)
-        .where(items.c.job == name, items.c.owner == worker, items.c.status == "running")
-        .values(lease_expires=now + lease_ttl)
-    )
+    conn.execute(update(items).where(_held(name, worker)).values(lease_expires=now + lease_ttl))
     return now - last if last is not None else 0.0
+
+
+def _held(name: str, worker: str) -> ColumnElement[bool]:
+    """The items `worker` holds (leased, not yet answered)."""
+    return and_(items.c.job == name, items.c.owner == worker, items.c.status == "running")
+
+
+def rejoin(conn: Connection, name: str, joining: Joining) -> set[int]:
+    """Ledger.rejoin: `joining.worker` back after a silence past its lease. Nobody is judged
+    by that silence (the ledger itself may have been away for everyone)."""
+    assert joining.worker is not None
+    lock_job(conn, name)
+    check_same(conn, name, joining.spec, joining.same, ttl=joining.ttl)
+    now, worker = db_now(conn), joining.worker
+    conn.execute(
+        update(workers).where(workers.c.id == worker).values(heartbeat=now, stopped_at=None)
+    )
+    held = _held(name, worker)
+    conn.execute(update(items).where(held).values(lease_expires=now + joining.ttl))
+    return set(conn.execute(select(items.c.line).where(held)).scalars())
 
 
 def claim(
