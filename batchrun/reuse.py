@@ -111,11 +111,11 @@ def prepare(
     """Before sending: repeated lines wait for their first line's answer, and earlier jobs'
     answers to the same requests under one of `keys` (answer_keys) are copied (both off with
     --no-reuse), after `joining`'s check (refused: nothing copied). (waiting, reused)."""
-    if not spec.reuse:
-        ledger.forget_duplicates(name)  # marked by a run before: every line is sent
-        return 0, 0
     started = time.perf_counter()
-    found = ledger.prepare_reuse(name, keys, reuse_since=since(spec), joining=joining)
+    chosen = keys if spec.reuse else None  # None: lines marked as repeats by a run before are sent
+    found = ledger.prepare_reuse(name, chosen, reuse_since=since(spec), joining=joining)
+    if not spec.reuse:
+        return found
     took = round(time.perf_counter() - started, 3)
     log.event(
         "reuse", duplicates=found[0], reused=found[1], max_age=spec.reuse_max_age, seconds=took

@@ -313,7 +313,7 @@ class Ledger:
     def prepare_reuse(
         self,
         name: str,
-        keys: reuse.Keys,
+        keys: reuse.Keys | None,
         *,
         reuse_since: float | None,
         earlier: bool = True,
@@ -321,9 +321,10 @@ class Ledger:
     ) -> tuple[int, int]:
         """Before a run: lines that repeat an earlier line's request wait for its answer, and
         (with `earlier`) pending items that an earlier job answered under the same options
-        (made at `reuse_since` or later) take that answer. (waiting, reused). With `joining`,
-        first the check `join` makes: a run that other workers would refuse (it asks for
-        other answers) copies nothing into their job (OptionError, and nothing changes)."""
+        (made at `reuse_since` or later) take that answer. (waiting, reused). `keys` None
+        (--no-reuse): lines a run before left waiting for a repeat are sent instead. With
+        `joining`, first the check `join` makes: a run that other workers would refuse (it
+        asks for other answers) changes nothing in their job (OptionError)."""
         with self._write("looking for answers to reuse") as conn:
             workers.lock_job(conn, name)
             if joining is not None and joining.worker is not None:
@@ -331,18 +332,15 @@ class Ledger:
                 workers.join_as(conn, name, joining.worker, joining, store=True, reclaim_dead=False)
             elif joining is not None:
                 workers.check_same(conn, name, joining.spec, joining.same, ttl=joining.ttl)
+            if keys is None:
+                reuse.forget_duplicates(conn, name)
+                return 0, 0
             waiting = reuse.mark_duplicates(conn, name)
             if not earlier:
                 return waiting, 0
             now = time.time()
             reused = reuse.reuse_earlier(conn, name, keys, since=reuse_since, now=now)
             return reuse.still_waiting(conn, name) if reused else waiting, reused
-
-    def forget_duplicates(self, name: str) -> int:
-        """--no-reuse: lines a run before left waiting for a repeat are sent; how many."""
-        with self._write("sending repeated lines too") as conn:
-            workers.lock_job(conn, name)
-            return reuse.forget_duplicates(conn, name)
 
     def preview(
         self,
