@@ -167,9 +167,11 @@ class Ledger:
         items that dead workers held go back to pending: how many. While other workers run
         the job, `spec` must agree with the job's on the keys in `same` (the options that
         change an answer), or OptionError says which differ, and nothing changes."""
+        began, joining, stored = time.monotonic(), Joining(spec or {}, same, ttl), spec is not None
         with self._write("joining the job") as conn:
-            joining, stored = Joining(spec or {}, same, ttl), spec is not None
-            back = workers.join_as(conn, name, worker, joining, store=stored, reclaim_dead=True)
+            workers.lock_job(conn, name)  # a wait for it past the lease: nobody judged by it
+            fresh = time.monotonic() - began < ttl  # (others' beats waited as long: as beat's)
+            back = workers.join_as(conn, name, worker, joining, store=stored, reclaim_dead=fresh)
         self.idle_ms = max(1000, int(ttl * 1000))  # joined: the run's writes (dialect.py)
         return back
 
