@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Unpack
@@ -28,14 +28,14 @@ from batchrun import jobs as verbs
 from batchrun.config import RunOptions, RunSpec
 from batchrun.errors import UsageError
 from batchrun.jobs import Home
-from batchrun.ledger import IngestReport, Job, Ledger, Worker, ledger_file, left, shown_url
-from batchrun.ledger.workers import pid_alive, this_machine
+from batchrun.ledger import IngestReport, Job, Ledger, ledger_file, left, shown_url
+from batchrun.ledger_calls import LedgerCalls
 from batchrun.outputs import FORMATS, Result, result_of
 from batchrun.preview import preview
-from batchrun.progress import ProgressUpdate
+from batchrun.progress import JobLog, ProgressUpdate
 from batchrun.report import JobAborted, JobReport, checked
 from batchrun.row_input import PathLike, input_of, option_layers, rows_job
-from batchrun.run_state import RunStats
+from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.status_view import job_detail, jobs_table
 from batchrun.stopping import Raised, carried, handlers_put_back
 
@@ -73,7 +73,7 @@ async def submit_async(
     # rows are read here, in the caller's thread (a database cursor is its thread's)
     path, name = input_of(source, where, job, layers)
     named_here = job is None and not isinstance(source, (str, os.PathLike))
-    with _ledger(where) as led:
+    with _ledger(where, patience=_patience(options)) as led:
         name, existing = rows_job(led, name) if named_here else (name, led.get_job(name))
         run_spec = verbs.resolve_for_job(existing, *layers, endpoint_required=run)
         loaded = rejected = None
@@ -122,7 +122,7 @@ async def resume_async(
     they change nothing."""
     _signals_here(handle_signals)
     where = _home(home, ledger)
-    with _ledger(where) as led:
+    with _ledger(where, patience=_patience(options)) as led:
         found = _job(led, where, job)
         changed = functools.partial(verbs.check_input_unchanged, allow=allow_changed_input)
         note = await anyio.to_thread.run_sync(changed, found)
@@ -261,44 +261,34 @@ class _Listen:
 
 
 async def _run(led: Ledger, where: Home, name: str, spec: RunSpec, listen: _Listen) -> JobReport:
-    """Run what is left, then finish: results written once no item is left."""
-    counts, started = led.counts(name), led.now()  # the clock workers' times are in
-    stats, notes = RunStats(), tuple[str, ...]()
-    if left(counts):
-        stats = await verbs.run_job(
-            led,
-            where,
-            name,
-            spec,
-            handle_signals=listen.handle_signals,
-            on_progress=listen.on_progress,
-            on_message=listen.on_message,
-        )
-    else:
-        notes = (f"job {name} has nothing left to do",)
-        _say(listen.on_message, notes[0])
-    found = led.get_job(name)
-    final_spec = verbs.job_spec(found) if found else spec
-    # the results file is written here: off the event loop, which may be the caller's
-    counts, complete = await anyio.to_thread.run_sync(verbs.finish, led, where, name, final_spec)
-    output = where.output_path(name) if complete else None
-    took_part = sum(_took_part(w, started, spec.lease) for w in led.workers(name))
+    """Run what is left, then finish: results written once no item is left. The calls around
+    the run wait out a database away (a PostgreSQL restart) as the run's own do."""
+    with closing(JobLog(where.log_path(name), name, redact=spec.redact)) as log:
+        say, settings = listen.on_message, RunnerSettings(lease_ttl=spec.lease)
+        db = LedgerCalls(settings, outage_timeout=spec.outage_timeout, log=log, say=say)
+        counts, started = await db(led.counts, name), await db(led.now)  # workers' clock
+        stats, notes = RunStats(), tuple[str, ...]()
+        if left(counts):
+            stats = await verbs.run_job(
+                led,
+                where,
+                name,
+                spec,
+                handle_signals=listen.handle_signals,
+                on_progress=listen.on_progress,
+                on_message=say,
+            )
+        else:
+            notes = (f"job {name} has nothing left to do",)
+            _say(say, notes[0])
+        found = await db(led.get_job, name)
+        final_spec = verbs.job_spec(found) if found else spec
+        # the results file is written here: off the event loop, which may be the caller's
+        counts, complete = await db(verbs.finish, led, where, name, final_spec)
+        output = where.output_path(name) if complete else None
+        took_part = sum(w.took_part(started, spec.lease) for w in await db(led.workers, name))
     report = JobReport(name, counts, complete, output, notes=notes, stats=stats)
     return replace(report, workers=max(1, took_part))
-
-
-def _took_part(worker: Worker, started: float, lease: float) -> bool:
-    """Whether `worker` ran during a run that began at `started`: it beat since (a leave beats
-    too), or it beat within its lease before and its process is still there (one that joined
-    a moment before beats next 20 s on); not one dead before (killed, its pid gone: this
-    run's reclaim marked it stopped since), nor one stopped before."""
-    if worker.stopped_at is not None and worker.stopped_at < started:
-        return False
-    if worker.heartbeat >= started:
-        return True
-    here = worker.machine == this_machine()
-    alive = pid_alive(worker.pid) if here else worker.stopped_at is None
-    return alive and worker.heartbeat + (worker.lease or lease) >= started
 
 
 def _standing(led: Ledger, where: Home, name: str) -> JobReport:
@@ -367,17 +357,24 @@ def _home(home: PathLike, ledger: str | None) -> Home:
 
 
 @contextmanager
-def _ledger(where: Home, *, existing: bool = False) -> Iterator[Ledger]:
+def _ledger(where: Home, *, existing: bool = False, patience: float = 0.0) -> Iterator[Ledger]:
     """The ledger, open for one verb. `existing`: a verb that only reads refuses to make one
-    (a mistyped home would otherwise get a new, empty ledger)."""
+    (a mistyped home would otherwise get a new, empty ledger). `patience`: a run's verb waits
+    out a database away as it opens it (a PostgreSQL restart), up to its outage timeout."""
     file = ledger_file(where.ledger_url) if existing else None
     if file is not None and not file[0].exists():
         raise UsageError(f"no ledger at {file[0]} (is home {where.root} right?)")
-    led = Ledger(where.ledger_url)
+    led = Ledger(where.ledger_url, patience=patience)
     try:
         yield led
     finally:
         led.close()
+
+
+def _patience(options: Mapping[str, Any]) -> float:
+    """How long a run's verb waits for its ledger: --outage-timeout as given, else its default."""
+    given = options.get("outage_timeout")
+    return float(given) if isinstance(given, (int, float)) else RunSpec.outage_timeout
 
 
 def _job(led: Ledger, where: Home, name: str, *, collected_ok: bool = False) -> Job:

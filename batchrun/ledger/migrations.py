@@ -248,15 +248,16 @@ def _read_as_current(engine: Engine) -> None:
 OPEN_PATIENCE_S = 30.0  # how long opening waits out another process making the ledger
 
 
-def ready_engine(url: str, engine: Engine | None = None) -> Engine:
+def ready_engine(url: str, engine: Engine | None = None, *, patience: float = 0.0) -> Engine:
     """The ledger's engine, its schema up to date. A ledger that another process is making at
     this moment (two first submits) can refuse us at once, busy timeout or not (SQLite does
-    not wait while a new file turns to WAL): opening tries again for a while."""
+    not wait while a new file turns to WAL): opening tries again for a while. A database out
+    of reach (a PostgreSQL restart) is waited out for `patience` seconds, a try a second."""
     where = shown_ledger(url)
     with storage_errors("opening the ledger", where=where):
         engine = engine or make_engine(url)
     dialect = dialect_of(engine)
-    deadline = time.monotonic() + OPEN_PATIENCE_S
+    began = time.monotonic()
     while True:
         try:
             with storage_errors("opening the ledger", dialect, where):
@@ -264,6 +265,10 @@ def ready_engine(url: str, engine: Engine | None = None) -> Engine:
                     _read_as_current(engine) if read_only(url) else migrate(engine)
             return engine
         except LedgerError as exc:
-            if not exc.busy or time.monotonic() > deadline:
+            waited = time.monotonic() - began
+            if exc.busy and waited <= OPEN_PATIENCE_S:
+                time.sleep(0.05)
+            elif exc.out_of_reach and waited <= patience:
+                time.sleep(1.0)
+            else:
                 raise
-            time.sleep(0.05)

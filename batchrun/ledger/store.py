@@ -49,9 +49,9 @@ from batchrun.ledger.workers import Joining, Worker
 
 
 class Ledger:
-    def __init__(self, url: str, engine: Engine | None = None) -> None:
-        self.url = url
-        self.engine = ready_engine(url, engine)
+    def __init__(self, url: str, engine: Engine | None = None, *, patience: float = 0.0) -> None:
+        self.url = url  # `patience`: how long a database out of reach is waited for, opening
+        self.engine = ready_engine(url, engine, patience=patience)
         self.dialect = dialect_of(self.engine)
         self.where = shown_ledger(url)  # errors name it
         self.chunks = ChunkStore(self)  # hosted Batch API batches (chunks.py)

@@ -65,6 +65,19 @@ class Worker:
             return False
         return self.machine != this_machine() or pid_alive(self.pid)
 
+    def took_part(self, started: float, ttl: float) -> bool:
+        """Whether it ran during a run that began at `started`: it beat since (a leave beats
+        too), or it beat within its lease before and its process is still there (one that
+        joined a moment before beats next 20 s on); not one dead before (killed, its pid gone:
+        that run's reclaim marked it stopped since), nor one stopped before."""
+        if self.stopped_at is not None and self.stopped_at < started:
+            return False
+        if self.heartbeat >= started:
+            return True
+        here = self.machine == this_machine()
+        alive = pid_alive(self.pid) if here else self.stopped_at is None
+        return alive and self.heartbeat + (self.lease or ttl) >= started
+
 
 @cache
 def this_machine() -> str:
