@@ -173,7 +173,7 @@ def rejoin(conn: Connection, name: str, joining: Joining) -> set[int]:
     by that silence (the ledger itself may have been away for everyone)."""
     assert joining.worker is not None
     lock_job(conn, name)
-    check_same(conn, name, joining.spec, joining.same, ttl=joining.ttl)
+    check_same(conn, name, joining.spec, joining.same, ttl=joining.ttl, worker=joining.worker)
     now, worker = db_now(conn), joining.worker
     conn.execute(
         update(workers).where(workers.c.id == worker).values(heartbeat=now, stopped_at=None)
@@ -355,15 +355,23 @@ class Joining:
 
 
 def check_same(
-    conn: Connection, name: str, spec: dict[str, Any], same: tuple[str, ...], *, ttl: float
-) -> None:
+    conn: Connection,
+    name: str,
+    spec: dict[str, Any],
+    same: tuple[str, ...],
+    *,
+    ttl: float,
+    worker: str | None = None,
+) -> int:
     """Joining `name` with `spec` while other workers run it: the keys in `same` (the options
-    that change an answer) must agree with the job's, or OptionError says which differ."""
+    that change an answer) must agree with the job's, or OptionError says which differ. How
+    many other workers (than `worker`) run it."""
     now = db_now(conn)
-    others = sum(w.alive(now, ttl) for w in listed(conn, name, live=True))
+    live = listed(conn, name, live=True)
+    others = sum(w.alive(now, ttl) for w in live if w.id != worker)
     row = conn.execute(select(jobs.c.spec).where(jobs.c.name == name)).first()
     if not others or row is None:
-        return
+        return others
     theirs = orjson.loads(row.spec)
     differ = [key for key in same if theirs.get(key) != spec.get(key)]
     if differ:
@@ -375,6 +383,7 @@ def check_same(
             f"job {OptionError.quoted(name)} is being run by {others} other worker(s) that ask "
             f"for other answers: {said}. Join with the same options, or after they finish."
         )
+    return others
 
 
 def _shown(value: object) -> str:
@@ -385,13 +394,16 @@ def join_as(
     conn: Connection, name: str, worker: str, joining: Joining, *, store: bool, reclaim_dead: bool
 ) -> int:
     """`worker` joins the job (see Ledger.join): its spec checked against the live workers'
-    on `joining.same`, and stored when `store`; how many items dead workers left came back."""
+    on `joining.same`, and stored when `store` and it is alone (beside others, its own URL,
+    pacing and budget would become the job's, for the next plain `resume` on another host);
+    how many items dead workers left came back."""
+    others = 0
     if joining.same:
         lock_job(conn, name)
-        check_same(conn, name, joining.spec, joining.same, ttl=joining.ttl)
+        others = check_same(conn, name, joining.spec, joining.same, ttl=joining.ttl, worker=worker)
     # the job's row is locked first
     back = join(conn, name, worker, ttl=joining.ttl, reclaim_dead=reclaim_dead)
-    if store:
+    if store and not others:
         stored = {"spec": as_json(joining.spec), "updated_at": time.time()}
         conn.execute(update(jobs).where(jobs.c.name == name).values(**stored))
     return back

@@ -773,3 +773,24 @@ def test_a_statement_the_driver_runs_takes_exactly_the_parameters_its_rows_hold(
     with pytest.raises(ValueError, match="parameters"):
         Many.compile(named, dialect, ["b_line", "b_s", "b_other"])
     assert Many.compile(named, dialect, ["b_s", "b_line"]).names == ("b_s", "b_line")
+
+
+def test_a_worker_joining_beside_others_leaves_the_jobs_options_as_they_are(
+    ledger: Ledger,
+) -> None:
+    # A second host joins with its own --base-url (its local server) and --concurrency: they
+    # became the job's, and the next plain `resume` on the first host went to the second's
+    # 127.0.0.1. Only a worker alone on the job makes its options the job's.
+    make_job(ledger, 4)
+    same = ("model",)
+    first = {"model": "m", "base_url": "http://127.0.0.1:8000/v1", "concurrency": 8}
+    ledger.join("j", "a", ttl=60, spec=first, same=same)
+    second = {**first, "base_url": "http://127.0.0.1:8001/v1", "concurrency": 2}
+    ledger.join("j", "b", ttl=60, spec=second, same=same)
+    job = ledger.get_job("j")
+    assert job is not None and job.spec == first
+    ledger.release("j", "a")
+    ledger.release("j", "b")
+    ledger.join("j", "c", ttl=60, spec=second, same=same)  # alone: its options are the job's
+    job = ledger.get_job("j")
+    assert job is not None and job.spec == second
