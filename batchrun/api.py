@@ -73,7 +73,7 @@ async def submit_async(
     # rows are read here, in the caller's thread (a database cursor is its thread's)
     path, name = input_of(source, where, job, layers)
     named_here = job is None and not isinstance(source, (str, os.PathLike))
-    with _ledger(where, patience=_patience(options)) as led:
+    with _ledger(where, patience=_patience(layers)) as led:
         name, existing = rows_job(led, name) if named_here else (name, led.get_job(name))
         run_spec = verbs.resolve_for_job(existing, *layers, endpoint_required=run)
         loaded = rejected = None
@@ -121,14 +121,14 @@ async def resume_async(
     (skip_invalid, max_line_bytes, max_input_*) were applied when it was loaded; given here,
     they change nothing."""
     _signals_here(handle_signals)
-    where = _home(home, ledger)
-    with _ledger(where, patience=_patience(options)) as led:
+    where, layers = _home(home, ledger), option_layers(spec, options)
+    with _ledger(where, patience=_patience(layers)) as led:
         found = _job(led, where, job)
         changed = functools.partial(verbs.check_input_unchanged, allow=allow_changed_input)
         note = await anyio.to_thread.run_sync(changed, found)
         if note:
             _say(on_message, note)
-        run_spec = verbs.resolve_for_job(found, *option_layers(spec, options))
+        run_spec = verbs.resolve_for_job(found, *layers)
         listen = _Listen(handle_signals, on_progress, on_message)
         report = await _run(led, where, found.name, run_spec, listen)
     return checked(replace(report, notes=(note, *report.notes) if note else report.notes))
@@ -371,10 +371,12 @@ def _ledger(where: Home, *, existing: bool = False, patience: float = 0.0) -> It
         led.close()
 
 
-def _patience(options: Mapping[str, Any]) -> float:
-    """How long a run's verb waits for its ledger: --outage-timeout as given, else its default."""
-    given = options.get("outage_timeout")
-    return float(given) if isinstance(given, (int, float)) else RunSpec.outage_timeout
+def _patience(layers: list[dict[str, Any]]) -> float:
+    """How long a run's verb waits for its ledger: the outage timeout its options give (a
+    keyword over a spec file's), else its default."""
+    given = [layer["outage_timeout"] for layer in layers if "outage_timeout" in layer]
+    last = given[-1] if given else None
+    return float(last) if isinstance(last, (int, float)) else RunSpec.outage_timeout
 
 
 def _job(led: Ledger, where: Home, name: str, *, collected_ok: bool = False) -> Job:

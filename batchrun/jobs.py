@@ -254,7 +254,8 @@ async def run_job(
                 spec = replace(spec, model=models.pop())
             # joined as the runner will be, in the transaction that copies answers into the job
             settings = replace(settings, worker=settings.worker or uuid.uuid4().hex)
-            joining = Joining(reuse.joined(spec), reuse.SAME, settings.lease_ttl, settings.worker)
+            mine = reuse.joined(spec, routes)
+            joining = Joining(mine, reuse.SAME, settings.lease_ttl, settings.worker)
             keys = reuse.answer_keys(route.spec for route in routes)  # what its answers are under
             reuse_run = partial(reuse.prepare, ledger, name, spec, log, joining, keys)
             # a database restarting as the run starts is waited out, as it is once running

@@ -87,7 +87,8 @@ class Result:
 
 def result_of(item: StoredItem, job_model: str | None = None) -> Result:
     """`item` as a result line; `model` named where another than the job's (`job_model`)
-    answered it: a resume under another --model, a line that asked its own."""
+    answered it: a resume under another --model, a line that asked its own; and every line
+    of a job of no one model (several endpoints, each serving its own)."""
     answered = item.answer_model
     return Result(
         id=_item_id(item),
@@ -110,7 +111,7 @@ def result_of(item: StoredItem, job_model: str | None = None) -> Result:
             {"job": item.reused_job, "line": item.reused_line} if item.reused_job else None
         ),
         answered_by=item.answered_by,
-        model=answered if answered and job_model and answered != job_model else None,
+        model=answered if answered and answered != job_model else None,
     )
 
 

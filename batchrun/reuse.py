@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import orjson
 from batchrun.config import ANSWER_FIELDS, RunSpec
 from batchrun.errors import OptionError, UsageError
 from batchrun.inputs import file_digest
+from batchrun.lanes import Route
 from batchrun.ledger import Joining, Ledger
 from batchrun.progress import JobLog
 from batchrun.routes import endpoint_specs
@@ -72,9 +73,13 @@ def schema_digest(spec: RunSpec) -> str | None:
         raise UsageError(f"cannot read schema {spec.schema}: {exc.strerror}") from None
 
 
-def joined(spec: RunSpec) -> dict[str, Any]:
-    """A run's spec as its worker stores it with the job, and as workers compare (SAME)."""
-    models = {e.name: own.model for e, own in endpoint_specs(spec)} if spec.endpoints else None
+def joined(spec: RunSpec, routes: Sequence[Route] = ()) -> dict[str, Any]:
+    """A run's spec as its worker stores it with the job, and as workers compare (SAME). With
+    `routes`, each endpoint's model as its server named it, where none was given."""
+    models = None
+    if spec.endpoints:
+        models = {e.name: own.model for e, own in endpoint_specs(spec)}
+        models.update({route.name: route.spec.model for route in routes})
     return {
         **spec.to_json(),
         SCHEMA_DIGEST: schema_digest(spec),

@@ -97,7 +97,7 @@ class Runner:
             settings=self.settings,
             log=log,
             by_prefix=by_prefix(spec, routes),
-            rejoining=Joining(joined(spec), SAME, self.settings.lease_ttl, self.owner),
+            rejoining=Joining(joined(spec, routes), SAME, self.settings.lease_ttl, self.owner),
         )
         self._stopping = self.feeder.stopping
         if progress is not None:
@@ -167,7 +167,7 @@ class Runner:
                 self.job,
                 self.owner,
                 ttl=self.settings.lease_ttl,
-                spec=joined(self.spec),
+                spec=joined(self.spec, self.routes),
                 same=SAME,
             )
             await self._watch_spending()

@@ -54,7 +54,9 @@ def job_detail(ledger: Ledger, job: Job) -> dict[str, Any]:
         "endpoint": {
             "backend": spec.get("backend"),
             "base_url": spec.get("base_url") and shown_endpoint(spec["base_url"]),
-            "model": spec.get("model"),
+            # the job's, or its one named endpoint's (several: each below)
+            "model": spec.get("model")
+            or next(iter((spec.get("endpoint_models") or {}).values()), None),
             "endpoint": spec.get("endpoint"),
             "several": len(spec.get("endpoints") or ()),  # endpoints given: each shown below
         },

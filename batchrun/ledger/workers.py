@@ -163,24 +163,28 @@ def beat(
     return now - last if last is not None else 0.0
 
 
-def _held(name: str, worker: str) -> ColumnElement[bool]:
-    """The items `worker` holds (leased, not yet answered)."""
-    return and_(items.c.job == name, items.c.owner == worker, items.c.status == "running")
+def _held(name: str, worker: str | None) -> ColumnElement[bool]:
+    """The items `worker` holds (leased, not yet answered); None: any worker."""
+    held = and_(items.c.job == name, items.c.status == "running")
+    return held if worker is None else and_(held, items.c.owner == worker)
 
 
 def rejoin(conn: Connection, name: str, joining: Joining) -> set[int]:
-    """Ledger.rejoin: `joining.worker` back after a silence past its lease. Nobody is judged
-    by that silence (the ledger itself may have been away for everyone)."""
-    assert joining.worker is not None
+    """Ledger.rejoin. Back from a silence past the lease, the ledger may have been away for all:
+    every worker still running gets a lease's grace (beat, leases), or this one's next beat
+    would judge them by a silence they could not help, and take items they have answers for."""
+    worker, ttl = joining.worker or "", joining.ttl  # (a worker's id: never "")
     lock_job(conn, name)
-    check_same(conn, name, joining.spec, joining.same, ttl=joining.ttl, worker=joining.worker)
-    now, worker = db_now(conn), joining.worker
-    conn.execute(
-        update(workers).where(workers.c.id == worker).values(heartbeat=now, stopped_at=None)
-    )
-    held = _held(name, worker)
-    conn.execute(update(items).where(held).values(lease_expires=now + joining.ttl))
-    return set(conn.execute(select(items.c.line).where(held)).scalars())
+    check_same(conn, name, joining.spec, joining.same, ttl=ttl, worker=worker)
+    now, me = db_now(conn), workers.c.id == worker
+    last = conn.execute(select(workers.c.heartbeat).where(me)).scalar()
+    conn.execute(update(workers).where(me).values(stopped_at=None))
+    if last is None or now - last > ttl:
+        me = and_(workers.c.job == name, workers.c.stopped_at.is_(None))  # and the others
+    conn.execute(update(workers).where(me).values(heartbeat=now))
+    theirs = items.c.owner.in_(select(workers.c.id).where(me))
+    conn.execute(update(items).where(_held(name, None), theirs).values(lease_expires=now + ttl))
+    return set(conn.execute(select(items.c.line).where(_held(name, worker))).scalars())
 
 
 def claim(
@@ -373,7 +377,7 @@ def check_same(
     if not others or row is None:
         return others
     theirs = orjson.loads(row.spec)
-    differ = [key for key in same if theirs.get(key) != spec.get(key)]
+    differ = [key for key in same if _differ(theirs.get(key), spec.get(key))]
     if differ:
         said = "; ".join(
             f"{{{key}}} {_shown(spec.get(key))} here, {_shown(theirs.get(key))} there"
@@ -384,6 +388,13 @@ def check_same(
             f"for other answers: {said}. Join with the same options, or after they finish."
         )
     return others
+
+
+def _differ(theirs: Any, mine: Any) -> bool:
+    """Options that disagree; a mapping (a model per endpoint) where both name one for a key."""
+    if not (isinstance(theirs, dict) and isinstance(mine, dict)):
+        return bool(theirs != mine)
+    return any(None is not theirs[k] != mine[k] is not None for k in theirs.keys() & mine.keys())
 
 
 def _shown(value: object) -> str:
