@@ -39,10 +39,14 @@ class TokenBucket:
         if self.updated is None:
             self.level -= rank * fraction
 
+    def _level_at(self, now: float) -> float:
+        """The level at `now`, refilled since the last look (nothing is changed)."""
+        if self.updated is None:
+            return self.level
+        return min(self.capacity, self.level + (now - self.updated) * self.rate)
+
     def _refill(self, now: float) -> None:
-        if self.updated is not None:
-            self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
-        self.updated = now
+        self.level, self.updated = self._level_at(now), now
 
     def take(self, now: float, amount: float = 1.0) -> float:
         """Spend `amount` (a request, or its estimated tokens); returns the seconds to wait
@@ -53,8 +57,7 @@ class TokenBucket:
 
     def ready(self, now: float) -> bool:
         """Whether a request taken at `now` would go without waiting (nothing is taken)."""
-        since = 0.0 if self.updated is None else now - self.updated
-        return min(self.capacity, self.level + since * self.rate) >= 1.0
+        return self._level_at(now) >= 1.0
 
     def correct(self, now: float, estimated: float, actual: float) -> None:
         """Give back (or charge) the difference once the real usage is known."""

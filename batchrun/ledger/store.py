@@ -123,9 +123,8 @@ class Ledger:
         with self._write("loading the input") as conn:
             if conn.execute(select(jobs.c.name).where(jobs.c.name == name)).first():
                 raise JobExists(f"job {name!r} already exists")
-            row = {"name": name, "input_path": input_path, "input_digest": "", "total": 0}
-            new_job = jobs.insert().values(spec=as_json(spec), created_at=now, updated_at=now)
-            new_job = new_job.values(**row)
+            row = {"name": name, "input_path": input_path, "spec": as_json(spec), "total": 0}
+            new_job = jobs.insert().values(input_digest="", created_at=now, updated_at=now, **row)
             try:
                 conn.execute(new_job)
             except IntegrityError:  # PostgreSQL: another process made it since we looked
