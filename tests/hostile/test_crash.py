@@ -181,22 +181,24 @@ def test_postgres_a_worker_whose_machine_dies_mid_transaction_does_not_stall_the
 
     url = sim_server("--ttft-ms", "20", "--tpot-ms", "2")
     inp = tmp_path / "gone.jsonl"
-    # enough that the victim is still running when a freeze catches it inside a write (600
-    # were all done first once in CI: the moments inside a write are short)
+    # enough that the victim is still running when a freeze catches it inside a write: the
+    # victim sends 2 at a time, so 1,200 take it a minute or more between freezes (at 8 at a time,
+    # it once did them all first in CI: the moments inside a write are short); the live worker
+    # sends 16 at a time to finish what is left
     write_prompts(inp, 1200)
     with fresh_database(postgres_server) as db:
         ledger = ("--ledger", db)
         assert cli.run(*ledger, "submit", str(inp), "--no-run", "--quiet").returncode == 0
 
-        def worker(name: str) -> subprocess.Popen[str]:
+        def worker(name: str, concurrency: int) -> subprocess.Popen[str]:
             where = f"{db}?application_name={name}"  # to find its session from outside
             return cli.start(
                 *("--ledger", where, "resume", "gone", "--base-url", url, "--model", "sim-1"),
-                *("--concurrency", "8", "--lease", "3", "--quiet"),
+                *("--concurrency", str(concurrency), "--lease", "3", "--quiet"),
             )
 
         plain = db.replace("postgresql+psycopg://", "postgresql://")
-        victim = worker("victim")
+        victim = worker("victim", 2)
         live: subprocess.Popen[str] | None = None
         try:
             with psycopg.connect(plain, autocommit=True) as outside:
@@ -219,7 +221,7 @@ def test_postgres_a_worker_whose_machine_dies_mid_transaction_does_not_stall_the
                     time.sleep(0.05)
                 deadline = time.monotonic() + 60
                 while True:  # freeze it; keep it frozen once caught inside a transaction
-                    assert victim.poll() is None, "the victim ended before it was caught"
+                    assert victim.poll() is None, f"the victim ended first: {items()}"
                     assert time.monotonic() < deadline, "never caught inside a transaction"
                     victim.send_signal(signal.SIGSTOP)
                     time.sleep(0.05)
@@ -227,7 +229,7 @@ def test_postgres_a_worker_whose_machine_dies_mid_transaction_does_not_stall_the
                         break
                     victim.send_signal(signal.SIGCONT)
                     time.sleep(0.01)
-                live = worker("live")
+                live = worker("live", 16)
                 try:
                     live.wait(timeout=45)  # its lease is 3 s; 45 s is far past it
                 except subprocess.TimeoutExpired:
