@@ -36,10 +36,9 @@ from typing import Any
 import anyio
 
 from batchrun.errors import EndpointDown, FatalError, RateLimited, RequestError, TransientError
-from batchrun.lanes import PROBE_FIRST_S, EndpointUse, Lane, every_lane_lost
+from batchrun.lanes import PROBE_FIRST_S, PROBE_MOST_S, EndpointUse, Lane, every_lane_lost
 from batchrun.retrying import Clock, broken, endpoint_failure
 
-PROBE_MOST_S = 30.0
 AFFINITY_GROUPS = 4096  # prefix groups whose lane is remembered
 WAKE_SCAN = 16  # waiters looked at for one whose group belongs to the lane that has room
 FREE_TRIES = 2  # per endpoint: how often one item may fail for free on failing endpoints

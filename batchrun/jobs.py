@@ -256,7 +256,8 @@ async def run_job(
             settings = replace(settings, worker=settings.worker or uuid.uuid4().hex)
             mine = reuse.joined(spec, routes)
             joining = Joining(mine, reuse.SAME, settings.lease_ttl, settings.worker)
-            keys = reuse.answer_keys(route.spec for route in routes)  # what its answers are under
+            # what its answers are under: an endpoint whose model is not known yet has none
+            keys = reuse.answer_keys(route.spec for route in routes if not route.waiting)
             reuse_run = partial(reuse.prepare, ledger, name, spec, log, joining, keys)
             # a database restarting as the run starts is waited out, as it is once running
             db = LedgerCalls(settings, outage_timeout=spec.outage_timeout, log=log, say=on_message)

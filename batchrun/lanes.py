@@ -14,6 +14,7 @@ from batchrun.server_metrics import ServerLoad
 from batchrun.throttle import Throttle
 
 PROBE_FIRST_S = 1.0  # a lane gone down is probed this long after, then twice as long each time
+PROBE_MOST_S = 30.0  # up to this
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class Route:
     backend: Backend
     weight: float = 1.0
     server_load: Callable[[], Awaitable[ServerLoad | None]] | None = None
+    waiting: str = ""  # why its model is not known yet: its server was away as the job started
 
     @property
     def guided_style(self) -> str:
@@ -84,6 +86,18 @@ class Lane:
         sent so far per unit of weight (idle endpoints take turns)."""
         weight = self.route.weight or 1.0
         return ((self.throttle.busy + 1) / weight, self.sent / weight)
+
+    def wait_for_model(self, now: float) -> None:
+        """Its server was away as the job started (Route.waiting): down for an outage since
+        now, probed as a lane gone down is, each probe asking its model before its line goes
+        (sender.py), until one is `learned`."""
+        self.state, self.reason, self.probe_at = "down", self.route.waiting, now + self.probe_wait
+        self.outage.down_since, self.outage.last_error = now, self.route.waiting
+
+    def learned(self, route: Route, answer_spec: str) -> None:
+        """Its server named its model (`route`'s): its requests and answers are under it."""
+        self.route, self.answer_spec = route, answer_spec
+        self.outage.success()
 
     def use(self) -> EndpointUse:
         return EndpointUse(

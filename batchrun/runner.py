@@ -26,11 +26,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from batchrun.budget import Budget, BudgetReached
 from batchrun.config import RunSpec
 from batchrun.controller import Change
-from batchrun.errors import (
-    BatchrunError,
-    LedgerError,
-    OutputError,
-)
+from batchrun.errors import BatchrunError, LedgerError, OutputError
 from batchrun.feeder import Feeder
 from batchrun.fleet import Fleet
 from batchrun.group_commit import write_in_groups
@@ -132,7 +128,11 @@ class Runner:
             on_change=functools.partial(self._adjust, route.name),
         )
         outage = OutageWatch(route.spec.outage_timeout, clock=s.clock)
-        return Lane(route, throttle, outage, answer_spec(route.spec))
+        lane = Lane(route, throttle, outage, answer_spec(route.spec))
+        if route.waiting:  # its server was away as the job started: a probe asks its model
+            lane.wait_for_model(s.clock())
+            self._endpoint_event("endpoint_down", endpoint=route.name, error=route.waiting)
+        return lane
 
     def request_stop(self, signum: int | None = None) -> None:
         """Ctrl-C / SIGTERM (`signum`): stop taking work; in-flight requests get a short grace. A

@@ -26,6 +26,8 @@ from batchrun.ledger import ClaimedItem, ItemResult, Spent
 from batchrun.limiter import estimate_split
 from batchrun.progress import JobLog, input_summary
 from batchrun.retrying import RetryPolicy, Tally
+from batchrun.reuse import answer_spec
+from batchrun.routes import named_model
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.structured import AnswerPlan, Outcome, OutputRules
 
@@ -172,6 +174,9 @@ class Sender:
                     raise _Stopped("the run was stopped before this request was sent")
                 if self.holds is not None and not await self.holds(item.line):
                     raise _Stopped("another worker holds it now: this one was taken for gone")
+                if lane.route.waiting:  # away as the job started: this probe asks its model first
+                    await self._ask_model(lane)
+                    request = CompletionRequest(item.endpoint, self._body(request.body, lane, item))
                 slot.warm = warm.done if warm is not None else None  # first token: the rest go
                 # Counted when sent (every request sent gets its attempt line); a retry is the
                 # same request again (repairs are new requests, not retries).
@@ -301,6 +306,19 @@ class Sender:
         """The endpoint a result records: named with several (one left out at the start
         included), or given by name (`--endpoint a=URL`); a job's one URL needs none."""
         return None if self.fleet.only and not self.fleet.named else lane.name
+
+    async def _ask_model(self, lane: Lane) -> None:
+        """A lane whose server was away as the job started: its probe asks its model first,
+        and the line goes under it (its answer filed under it). A server that will not say
+        (401/403/404, or none listed) takes the lane out, as a request's 401 does."""
+        try:
+            route = await named_model(lane.route)
+        except FatalError as exc:
+            if self.fleet.take_out(lane, exc):
+                raise Rerouted(f"{lane.name} left the job: {exc}") from None
+            raise
+        lane.learned(route, answer_spec(route.spec))
+        self.log.event("endpoint_model", endpoint=lane.name, model=route.spec.model)
 
     def _model(self, item: ClaimedItem, lane: Lane) -> str | None:
         """The model its request asked for: the line's own, the job's, or its endpoint's."""

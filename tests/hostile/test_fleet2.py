@@ -18,7 +18,7 @@ from batchrun.ledger import Ledger
 from batchrun.run_state import RunnerSettings, RunStats
 from batchrun.sim import SimConfig
 from tests.fakes import FakeTime
-from tests.unit.test_fleet import Hosts
+from tests.unit.test_fleet import Hosts, SlowSim
 
 
 async def night(
@@ -130,16 +130,19 @@ async def test_no_run_preview_counts_the_answers_a_run_over_the_same_endpoints_r
 
 
 class DeadAtB(Hosts):
-    """`b.test` refuses every connection (GET /models too); POSTs to `a.test` are stamped
-    with the fake clock's time."""
+    """`b.test` refuses every connection (GET /models too) until `back_at` on the fake clock
+    (never, by default); POSTs to `a.test` are stamped with the fake clock's time."""
 
-    def __init__(self, hosts: dict[str, SimConfig], fake: FakeTime) -> None:
+    def __init__(
+        self, hosts: dict[str, SimConfig], fake: FakeTime, back_at: float = float("inf")
+    ) -> None:
         super().__init__(hosts)
         self.fake = fake
+        self.back_at = back_at
         self.a_posts_at: list[float] = []
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.url.host == "b.test":
+        if request.url.host == "b.test" and self.fake.now < self.back_at:
             raise httpx.ConnectError("connection refused", request=request)
         if request.method == "POST":
             self.a_posts_at.append(self.fake.now)
@@ -147,15 +150,16 @@ class DeadAtB(Hosts):
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("model", [None, "m"])
 async def test_an_endpoint_dead_at_the_start_does_not_hold_the_healthy_one_back(
-    tmp_path: Path,
+    tmp_path: Path, model: str | None
 ) -> None:
-    # No --model: each endpoint is asked its model first. `b` refuses connections; it is
-    # asked again and again for the whole --outage-timeout (60 s by default) before it is
-    # left out, and `a`, which answered at once, is sent nothing meanwhile: a job over a
-    # fleet with one dead member idles a minute before its first request. (Still so without
-    # a model: the README's known gaps say so, and that a model given, as here, is the way
-    # round: nothing is asked at the start, and a dead endpoint is drained and probed.)
+    # No --model: each endpoint is asked its model first. `b` refuses connections; it was
+    # asked again and again for the whole --outage-timeout (60 s by default) before it was
+    # left out, and `a`, which answered at once, was sent nothing meanwhile: a job over a
+    # fleet with one dead member idled a minute before its first request. Now `b` waits for
+    # its model in the run, as a lane that is down, while `a` works; with a model given,
+    # nothing is asked at the start, and a dead endpoint is drained and probed.
     fake = FakeTime()
     hosts = DeadAtB({"a.test": SimConfig(), "b.test": SimConfig()}, fake)
     started = fake.now
@@ -165,13 +169,69 @@ async def test_an_endpoint_dead_at_the_start_does_not_hold_the_healthy_one_back(
         hosts,
         ROWS,
         endpoints=["a=http://a.test/v1", "b=http://b.test/v1"],
-        model="m",
+        model=model,
         fake=fake,
     )
     assert ledger.counts("j")["done"] == 20
     assert {u.name: u.state for u in stats.endpoints}["b"] in ("out", "down")
     first = hosts.a_posts_at[0] - started
     assert first < 5, f"a's first request went {first:.0f} s (fake clock) into the run"
+
+
+@pytest.mark.anyio
+async def test_an_endpoint_whose_model_was_not_known_at_the_start_joins_when_it_answers(
+    tmp_path: Path,
+) -> None:
+    # No --model, and `b` is away as the job starts, for 70 s: it was left out for the whole
+    # run (after the minute above), so a GPU server back from a reboot five minutes into a
+    # night was sent nothing, and its share went to the others (a paid fallback, say) until
+    # the end. Now it is asked its model again, 1 s after and then twice as long each time up
+    # to 30 s, and once it names one it is sent lines under that model, which results name.
+    fake = FakeTime()
+    b_sim = SimConfig(models=("b-model",))
+    hosts = DeadAtB({"a.test": SimConfig(), "b.test": b_sim}, fake, back_at=fake.now + 70)
+    hosts.sims["a.test"] = SlowSim(fake, SimConfig(models=("a-model",)), seconds=2.0)
+    rows = [{"id": f"r{i}", "prompt": f"summarise item {i}"} for i in range(400)]
+    eps = ["a=http://a.test/v1", "b=http://b.test/v1"]
+    ledger, stats = await night(tmp_path, "j", hosts, rows, endpoints=eps, fake=fake)
+    assert ledger.counts("j")["done"] == 400
+    uses = {u.name: u for u in stats.endpoints}
+    assert uses["b"].state == "up" and uses["b"].answered > 50, uses
+    results = Home.at(tmp_path, None).output_path("j")
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    models = {(line["answered_by"], line["model"]) for line in lines}
+    assert models == {("a", "a-model"), ("b", "b-model")}, models
+
+
+class BackWithout(DeadAtB):
+    """`b.test`, back, answers GET /models with `status` (a key it refuses, say)."""
+
+    status = 401
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        back = request.url.host == "b.test" and self.fake.now >= self.back_at
+        if back and request.method == "GET":
+            return httpx.Response(self.status, json={"error": {"message": "no"}})
+        return await super().handle_async_request(request)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("status", [401, 404])
+async def test_an_endpoint_away_at_the_start_that_then_refuses_to_name_its_model_is_out(
+    tmp_path: Path, status: int
+) -> None:
+    """Once back, it answers the probe's question about its model with a 401 or 404: taken
+    out, as a request's 401 would take it out; the line that probed it goes to `a`, free."""
+    fake = FakeTime()
+    hosts = BackWithout({"a.test": SimConfig(), "b.test": SimConfig()}, fake, fake.now + 3)
+    hosts.status = status
+    hosts.sims["a.test"] = SlowSim(fake, seconds=0.5)
+    eps = ["a=http://a.test/v1", "b=http://b.test/v1"]
+    ledger, stats = await night(tmp_path, "j", hosts, ROWS, endpoints=eps, fake=fake)
+    assert ledger.counts("j")["done"] == 20  # one attempt each (max_attempts=1)
+    b = {u.name: u for u in stats.endpoints}["b"]
+    assert (b.state, b.answered, str(status) in b.reason) == ("out", 0, True), b
+    assert hosts.posts["b.test"] == 0
 
 
 @pytest.mark.anyio

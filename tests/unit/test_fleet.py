@@ -188,15 +188,18 @@ async def test_a_dead_endpoint_comes_back_after_a_probe(tmp_path: Path) -> None:
 
 
 class SlowSim(SimTransport):
-    """A simulator whose every answer takes 0.05 s of the fake clock."""
+    """A simulator whose every answer takes `seconds` of the fake clock."""
 
-    def __init__(self, fake: FakeTime, config: SimConfig | None = None) -> None:
+    def __init__(
+        self, fake: FakeTime, config: SimConfig | None = None, *, seconds: float = 0.05
+    ) -> None:
         super().__init__(SimModel(config or SimConfig()))
         self.fake = fake
+        self.seconds = seconds
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.method == "POST":
-            await self.fake.sleep(0.05)
+            await self.fake.sleep(self.seconds)
         return await super().handle_async_request(request)
 
 
