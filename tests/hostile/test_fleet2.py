@@ -179,8 +179,9 @@ async def test_an_endpoint_dead_at_the_start_does_not_hold_the_healthy_one_back(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("a_is", ["", ",weight=0"])  # `a` a paid fallback, `b` the GPU server
 async def test_an_endpoint_whose_model_was_not_known_at_the_start_joins_when_it_answers(
-    tmp_path: Path,
+    tmp_path: Path, a_is: str
 ) -> None:
     # No --model, and `b` is away as the job starts, for 70 s: it was left out for the whole
     # run (after the minute above), so a GPU server back from a reboot five minutes into a
@@ -192,7 +193,7 @@ async def test_an_endpoint_whose_model_was_not_known_at_the_start_joins_when_it_
     hosts = DeadAtB({"a.test": SimConfig(), "b.test": b_sim}, fake, back_at=fake.now + 70)
     hosts.sims["a.test"] = SlowSim(fake, SimConfig(models=("a-model",)), seconds=2.0)
     rows = [{"id": f"r{i}", "prompt": f"summarise item {i}"} for i in range(400)]
-    eps = ["a=http://a.test/v1", "b=http://b.test/v1"]
+    eps = [f"a=http://a.test/v1{a_is}", "b=http://b.test/v1"]
     ledger, stats = await night(tmp_path, "j", hosts, rows, endpoints=eps, fake=fake)
     assert ledger.counts("j")["done"] == 400
     uses = {u.name: u for u in stats.endpoints}
