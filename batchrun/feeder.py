@@ -58,7 +58,7 @@ class Feeder:
         self.settings = settings
         self.log = log
         self.stopping = anyio.Event()
-        self.held: set[int] = set()  # lines claimed and not yet committed
+        self.held: dict[int, ClaimedItem] = {}  # lines claimed, not yet committed: their copy
         self._unfinished = 0  # items claimed and not yet answered (in flight, queued, waiting)
         self._room = anyio.Event()  # set when an item is answered
         self._answered = 0  # since `_since`
@@ -66,13 +66,13 @@ class Feeder:
         self._recently = 0  # answered in the last whole BACKLOG_S
         self.rejoining = rejoining  # how it joins again after a silence (None: it never does)
         self.beat_at = settings.clock()  # when the latest beat that renewed its leases began
-        self._lost: set[int] = set()  # lines it held that others may hold now
         self._rechecking = anyio.Lock()
 
-    async def still_held(self, line: int) -> bool:
-        """Whether this worker still holds `line`, to send it (see `recheck`)."""
+    async def still_held(self, item: ClaimedItem) -> bool:
+        """Whether this worker still holds `item`, to send it (see `recheck`): its line, under
+        this claim of it (a line lost and claimed again later is sent as the later copy)."""
         await self.recheck()
-        return line not in self._lost
+        return self.held.get(item.line) is item
 
     async def recheck(self) -> None:
         """Silent past its lease (frozen, its ledger away), this worker may have been taken
@@ -86,8 +86,7 @@ class Feeder:
             if clock() - self.beat_at > lease:
                 began = clock()
                 ours = await self._db(self.ledger.rejoin, self.job, self.rejoining)
-                self._lost |= self.held - ours
-                self.held &= ours
+                self.held = {line: item for line, item in self.held.items() if line in ours}
                 self.beat_at = began
 
     def answered(self) -> None:
@@ -154,12 +153,13 @@ class Feeder:
             after=after,
             by_prefix=self.by_prefix,
         )
-        self.held.update(item.line for item in batch)
+        self.held.update((item.line, item) for item in batch)
         self._unfinished += len(batch)
         if self._db.outages != outages:
             # A claim that the connection lost may have committed: items leased to us that
             # no worker here holds would wait for our lease forever; they go back to pending.
-            strays = await self._db(self.ledger.put_back_strays, self.job, self.owner, self.held)
+            held = set(self.held)
+            strays = await self._db(self.ledger.put_back_strays, self.job, self.owner, held)
             if strays:
                 self.log.event("strays_put_back", items=strays)
         return batch

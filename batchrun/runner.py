@@ -385,7 +385,8 @@ class Runner:
         recorded = await self._db(  # the group's, and the repeated lines that waited for it
             self.ledger.record, self.job, self.owner, group, answer_spec=self.answer_spec
         )
-        self.feeder.held.difference_update(result.line for result in group)
+        for result in group:
+            self.feeder.held.pop(result.line, None)
         self._committed += len(group)
         self.stats.recorded += recorded.finished
         for status, count in recorded.by_status.items():

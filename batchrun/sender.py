@@ -62,7 +62,7 @@ class Sender:
         self.stopping = anyio.Event()
         # Whether this worker still holds a line, as it is about to send it (the feeder's
         # still_held: a worker frozen past its lease may have lost its lines to others).
-        self.holds: Callable[[int], Awaitable[bool]] | None = None
+        self.holds: Callable[[ClaimedItem], Awaitable[bool]] | None = None
         # Items this run ends without a result for, and what it spent on them: stored as they
         # go back to pending, so attempts and --max-attempts go on at the next run.
         self.spent: list[Spent] = []
@@ -172,7 +172,7 @@ class Sender:
             ) as slot:
                 if self.stopping.is_set():  # it waited for its slot, or to retry, past a stop
                     raise _Stopped("the run was stopped before this request was sent")
-                if self.holds is not None and not await self.holds(item.line):
+                if self.holds is not None and not await self.holds(item):
                     raise _Stopped("another worker holds it now: this one was taken for gone")
                 if lane.route.waiting:  # away as the job started: this probe asks its model first
                     await self._ask_model(lane)

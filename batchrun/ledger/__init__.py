@@ -3,6 +3,7 @@
 from batchrun.ledger.chunks import Chunk, run_owner
 from batchrun.ledger.dialect import file_ledger_url, home_expanded, ledger_file
 from batchrun.ledger.engine import shown_url
+from batchrun.ledger.joins import Joining
 from batchrun.ledger.records import (
     ClaimedItem,
     IngestReport,
@@ -13,7 +14,7 @@ from batchrun.ledger.records import (
 )
 from batchrun.ledger.schema import FINAL_STATUSES, OPEN_STATUSES, STATUSES, left
 from batchrun.ledger.store import Ledger
-from batchrun.ledger.workers import Joining, Worker
+from batchrun.ledger.workers import Worker
 
 __all__ = [
     "FINAL_STATUSES",

@@ -15,13 +15,14 @@ from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from batchrun.errors import EmptyInput, InputError, JobExists
-from batchrun.ledger import gc, reuse, stats, workers
+from batchrun.ledger import gc, joins, reuse, stats, workers
 from batchrun.ledger.chunks import ChunkStore
 from batchrun.ledger.dialect import HURRY_OPTION, IDLE_OPTION, WRITE_OPTION, dialect_of
 from batchrun.ledger.driver import Many
 from batchrun.ledger.engine import shown_ledger, storage_errors
 from batchrun.ledger.gc import Collected
 from batchrun.ledger.ingest import Loader
+from batchrun.ledger.joins import Joining
 from batchrun.ledger.migrations import ready_engine
 from batchrun.ledger.records import (
     BadLine,
@@ -45,7 +46,7 @@ from batchrun.ledger.rows import (
     stored_of,
 )
 from batchrun.ledger.schema import OPEN_STATUSES, items, jobs
-from batchrun.ledger.workers import Joining, Worker
+from batchrun.ledger.workers import Worker
 
 
 class Ledger:
@@ -168,17 +169,17 @@ class Ledger:
         change an answer), or OptionError says which differ, and nothing changes."""
         began, joining, stored = time.monotonic(), Joining(spec or {}, same, ttl), spec is not None
         with self._write("joining the job") as conn:
-            workers.lock_job(conn, name)  # a wait for it past the lease: nobody judged by it
-            fresh = time.monotonic() - began < ttl  # (others' beats waited as long: as beat's)
-            back = workers.join_as(conn, name, worker, joining, store=stored, reclaim_dead=fresh)
+            waited = joins.locked(conn, name, began)
+            back = joins.join_as(conn, name, worker, joining, store=stored, waited=waited)
         self.idle_ms = max(1000, int(ttl * 1000))  # joined: the run's writes (dialect.py)
         return back
 
     def rejoin(self, name: str, joining: Joining) -> set[int]:
         """A worker back after a silence past its lease, checked as a join is, its leases
-        renewed: the lines it still holds (others may hold the rest now). See workers.rejoin."""
+        renewed: the lines it still holds (others may hold the rest now). See joins.rejoin."""
+        began = time.monotonic()
         with self._write("joining again") as conn:
-            return workers.rejoin(conn, name, joining)
+            return joins.rejoin(conn, name, joining, waited=joins.locked(conn, name, began))
 
     def heartbeat(
         self,
@@ -326,13 +327,11 @@ class Ledger:
         (--no-reuse): lines a run before left waiting for a repeat are sent instead. With
         `joining`, first the check `join` makes: a run that other workers would refuse (it
         asks for other answers) changes nothing in their job (OptionError)."""
+        began = time.monotonic()
         with self._write("looking for answers to reuse") as conn:
-            workers.lock_job(conn, name)
-            if joining is not None and joining.worker is not None:
-                # the runner's join reclaims what dead workers held, after the copies, as ever
-                workers.join_as(conn, name, joining.worker, joining, store=True, reclaim_dead=False)
-            elif joining is not None:
-                workers.check_same(conn, name, joining.spec, joining.same, ttl=joining.ttl)
+            waited = joins.locked(conn, name, began)
+            if joining is not None:  # the runner's join reclaims what dead workers held, later
+                joins.checked(conn, name, joining, waited=waited)
             if keys is None:
                 reuse.forget_duplicates(conn, name)
                 return 0, 0

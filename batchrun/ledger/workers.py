@@ -34,10 +34,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.elements import ColumnElement
 
-from batchrun.errors import OptionError, UsageError
+from batchrun.errors import UsageError
 from batchrun.ledger.dialect import dialect_of
 from batchrun.ledger.records import ClaimedItem, Spent
-from batchrun.ledger.rows import CLAIMED_COLUMNS, as_json, claimed_of
+from batchrun.ledger.rows import CLAIMED_COLUMNS, claimed_of
 from batchrun.ledger.schema import items, jobs, workers
 
 
@@ -107,12 +107,7 @@ def join(conn: Connection, name: str, worker: str, *, ttl: float, reclaim_dead: 
     (none without `reclaim_dead`: the runner's own join, later, does it and says so). A job
     `gc` collected since the caller looked is refused: its rest and results are gone."""
     lock_job(conn, name)
-    kept = conn.execute(select(jobs.c.collected_at).where(jobs.c.name == name)).first()
-    if kept is None or kept[0] is not None:
-        raise UsageError(
-            f"job {name!r} was collected by `gc` as this run started: its rest and results are "
-            "gone; submit the file under another name (--job NAME) to reuse the answers kept"
-        )
+    not_collected(conn, name)
     now = db_now(conn)
     row = {"host": socket.gethostname(), "machine": this_machine(), "pid": os.getpid()}
     known = select(workers.c.id).where(workers.c.id == worker)
@@ -122,6 +117,16 @@ def join(conn: Connection, name: str, worker: str, *, ttl: float, reclaim_dead: 
     else:  # joined already: a join whose answer was lost with the connection, tried again
         conn.execute(update(workers).where(workers.c.id == worker).values(heartbeat=now))
     return reclaim(conn, name, worker, ttl=ttl) if reclaim_dead else 0
+
+
+def not_collected(conn: Connection, name: str) -> None:
+    """Refuse a job `gc` collected since the caller looked: its rest and results are gone."""
+    kept = conn.execute(select(jobs.c.collected_at).where(jobs.c.name == name)).first()
+    if kept is None or kept[0] is not None:
+        raise UsageError(
+            f"job {name!r} was collected by `gc` as this run started: its rest and results are "
+            "gone; submit the file under another name (--job NAME) to reuse the answers kept"
+        )
 
 
 def reclaim(conn: Connection, name: str, worker: str, *, ttl: float) -> int:
@@ -159,32 +164,14 @@ def beat(
     )
     # A running job is touched: `gc` takes a job untouched for its age for abandoned.
     conn.execute(update(jobs).where(jobs.c.name == name).values(updated_at=time.time()))
-    conn.execute(update(items).where(_held(name, worker)).values(lease_expires=now + lease_ttl))
+    conn.execute(update(items).where(leased(name, worker)).values(lease_expires=now + lease_ttl))
     return now - last if last is not None else 0.0
 
 
-def _held(name: str, worker: str | None) -> ColumnElement[bool]:
+def leased(name: str, worker: str | None) -> ColumnElement[bool]:
     """The items `worker` holds (leased, not yet answered); None: any worker."""
     held = and_(items.c.job == name, items.c.status == "running")
     return held if worker is None else and_(held, items.c.owner == worker)
-
-
-def rejoin(conn: Connection, name: str, joining: Joining) -> set[int]:
-    """Ledger.rejoin. Back from a silence past the lease, the ledger may have been away for all:
-    every worker still running gets a lease's grace (beat, leases), or this one's next beat
-    would judge them by a silence they could not help, and take items they have answers for."""
-    worker, ttl = joining.worker or "", joining.ttl  # (a worker's id: never "")
-    lock_job(conn, name)
-    check_same(conn, name, joining.spec, joining.same, ttl=ttl, worker=worker)
-    now, me = db_now(conn), workers.c.id == worker
-    last = conn.execute(select(workers.c.heartbeat).where(me)).scalar()
-    conn.execute(update(workers).where(me).values(stopped_at=None))
-    if last is None or now - last > ttl:
-        me = and_(workers.c.job == name, workers.c.stopped_at.is_(None))  # and the others
-    conn.execute(update(workers).where(me).values(heartbeat=now))
-    theirs = items.c.owner.in_(select(workers.c.id).where(me))
-    conn.execute(update(items).where(_held(name, None), theirs).values(lease_expires=now + ttl))
-    return set(conn.execute(select(items.c.line).where(_held(name, worker))).scalars())
 
 
 def claim(
@@ -343,78 +330,3 @@ def live(conn: Connection, name: str, *, ttl: float) -> list[str]:
     query = select(workers.c.id).where(workers.c.job == name, workers.c.stopped_at.is_(None))
     order = (workers.c.started_at, workers.c.id)
     return list(conn.execute(query.where(fresh).order_by(*order)).scalars())
-
-
-@dataclass(frozen=True)
-class Joining:
-    """A run about to join a job: its spec, the keys of it that must agree with the job's
-    while other workers run it, and how long a silent worker counts as live. With `worker`,
-    the run joins as it (the runner's own id) in the same transaction as what it then
-    changes: a run that checked before another joined is never let in beside it."""
-
-    spec: dict[str, Any]
-    same: tuple[str, ...]
-    ttl: float
-    worker: str | None = None
-
-
-def check_same(
-    conn: Connection,
-    name: str,
-    spec: dict[str, Any],
-    same: tuple[str, ...],
-    *,
-    ttl: float,
-    worker: str | None = None,
-) -> int:
-    """Joining `name` with `spec` while other workers run it: the keys in `same` (the options
-    that change an answer) must agree with the job's, or OptionError says which differ. How
-    many other workers (than `worker`) run it."""
-    now = db_now(conn)
-    live = listed(conn, name, live=True)
-    others = sum(w.alive(now, ttl) for w in live if w.id != worker)
-    row = conn.execute(select(jobs.c.spec).where(jobs.c.name == name)).first()
-    if not others or row is None:
-        return others
-    theirs = orjson.loads(row.spec)
-    differ = [key for key in same if _differ(theirs.get(key), spec.get(key))]
-    if differ:
-        said = "; ".join(
-            f"{{{key}}} {_shown(spec.get(key))} here, {_shown(theirs.get(key))} there"
-            for key in differ
-        )
-        raise OptionError(
-            f"job {OptionError.quoted(name)} is being run by {others} other worker(s) that ask "
-            f"for other answers: {said}. Join with the same options, or after they finish."
-        )
-    return others
-
-
-def _differ(theirs: Any, mine: Any) -> bool:
-    """Options that disagree; a mapping (a model per endpoint) where both name one for a key."""
-    if not (isinstance(theirs, dict) and isinstance(mine, dict)):
-        return bool(theirs != mine)
-    return any(None is not theirs[k] != mine[k] is not None for k in theirs.keys() & mine.keys())
-
-
-def _shown(value: object) -> str:
-    return "(not set)" if value is None else OptionError.quoted(value)
-
-
-def join_as(
-    conn: Connection, name: str, worker: str, joining: Joining, *, store: bool, reclaim_dead: bool
-) -> int:
-    """`worker` joins the job (see Ledger.join): its spec checked against the live workers'
-    on `joining.same`, and stored when `store` and it is alone (beside others, its own URL,
-    pacing and budget would become the job's, for the next plain `resume` on another host);
-    how many items dead workers left came back."""
-    others = 0
-    if joining.same:
-        lock_job(conn, name)
-        others = check_same(conn, name, joining.spec, joining.same, ttl=joining.ttl, worker=worker)
-    # the job's row is locked first
-    back = join(conn, name, worker, ttl=joining.ttl, reclaim_dead=reclaim_dead)
-    if store and not others:
-        stored = {"spec": as_json(joining.spec), "updated_at": time.time()}
-        conn.execute(update(jobs).where(jobs.c.name == name).values(**stored))
-    return back

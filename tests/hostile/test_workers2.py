@@ -313,6 +313,15 @@ def test_a_worker_stopped_while_another_runs_the_job_says_two_workers_took_part(
         cli.wait_for("s", 2, first)
         second = cli.start(*run)
         cli.wait_for("s", 12, second)
+        # running: it holds items (claimed after its signal handlers are set; a SIGTERM that
+        # came first killed it outright once in CI, when the first alone reached 12 done)
+        db, pid = Outside(f"sqlite:///{cli.home / 'jobs' / 'ledger.db'}"), second.pid
+        held = "SELECT count(*) FROM items JOIN workers ON items.owner = workers.id "
+        held += f"WHERE items.status = 'running' AND workers.pid = {pid}"
+        deadline = time.monotonic() + 60
+        while not int(str(db.query(held)[0][0])):
+            assert second.poll() is None and time.monotonic() < deadline, db.counts("s")
+            time.sleep(0.05)
         second.send_signal(signal.SIGTERM)
         code, _, said = finished(second, timeout=60)
     finally:
