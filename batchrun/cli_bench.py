@@ -100,10 +100,11 @@ def bench(ctx: click.Context, /, **o: Any) -> None:
     if ctx.invoked_subcommand is not None:
         return
     endpoints = _endpoints(o)
-    suite = load_suite(o["suite_path"]) if o["suite_path"] else builtin_suite()
+    plan = LoadPlan(_levels(o["concurrency"]), o["repeat"], o["warmup"], o["rate"], o["seed"])
+    # built in: as many prompts as the sweep sends of a class, so none is sent twice
+    suite = load_suite(o["suite_path"]) if o["suite_path"] else builtin_suite(plan.per_class())
     names = [c.strip() for c in o["classes"].split(",")] if o["classes"] else None
     suite = select(suite, names, o["max_tokens"])
-    plan = LoadPlan(_levels(o["concurrency"]), o["repeat"], o["warmup"], o["rate"], o["seed"])
     label = o["label"] or "+".join(e.name for e in endpoints)
     folder = o["output"] or output_folder(ctx.obj.home / "outputs", label)
     run = functools.partial(run_bench, label=label, guided=o["guided"], say=say, show=show)

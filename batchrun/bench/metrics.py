@@ -66,9 +66,12 @@ def distribution(values: list[float]) -> dict[str, float | None]:
     }
 
 
-def summarize(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
-    """One cell (endpoint x class x concurrency): distributions, throughput, errors."""
+def summarize(records: list[RequestRecord], wall_s: float, repeated: int = 0) -> dict[str, Any]:
+    """One cell (endpoint x class x concurrency): distributions, throughput, errors.
+    `repeated`: its requests whose prompt the sweep sent before (warned of: cached)."""
     ok = [r for r in records if r.ok]
+    # refused for itself (a 4xx but 408/429: too long for the context, say): at any load
+    own = sum(not r.ok and _own_fault(r.error_code) for r in records)
     tokens = sum(r.output_tokens or 0 for r in ok)
     # An answer whose token count is unknown (no usage, not streamed): tokens/s unknown too
     counted = all(r.output_tokens is not None for r in ok)
@@ -84,6 +87,8 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
         "requests": len(records),
         "succeeded": len(ok),
         "success_rate": len(ok) / len(records) if records else None,
+        "load_success_rate": len(ok) / (len(records) - own) if len(records) > own else None,
+        "repeated_prompts": repeated,
         "errors": dict(Counter(r.error_code or "error" for r in records if not r.ok)),
         "wall_s": wall_s,
         "request_throughput": len(ok) / wall_s if wall_s > 0 else None,
@@ -106,17 +111,34 @@ def sample_warnings(cell: dict[str, Any]) -> list[str]:
     """Say when a percentile has too few samples to be more than the maximum: with nearest
     rank, P95 of fewer than 20 samples and P99 of fewer than 100 are the largest one."""
     n = cell["e2e_ms"]["n"]
-    return [
+    said = [
         f"{name.upper()} from {n} samples is the maximum (needs {least} or more)"
         for name, least in MIN_SAMPLES.items()
         if 0 < n < least and name != "p50"
     ]
+    if repeated := cell.get("repeated_prompts"):
+        said.append(
+            f"{repeated} of {cell['requests']} requests repeat a prompt sent before in this "
+            "sweep (the suite ran out): a prompt cache may have spared their prefill (lower "
+            "TTFT); give more prompts"
+        )
+    return said
+
+
+def _own_fault(code: str | None) -> bool:
+    """An HTTP 4xx that says the request itself is refused (not 408 or 429: load's)."""
+    return code is not None and code.isdigit() and code.startswith("4") and code not in LOADS
+
+
+LOADS = ("408", "429")  # the 4xx a server gives for its load, not for the request
 
 
 def knee(levels: list[tuple[int, float, float | None, float]]) -> dict[str, Any]:
     """The recommended concurrency from (concurrency, throughput, P95 E2E ms, success rate)
     per level: the last level before throughput grows by less than 10% while P95 latency keeps
-    rising, or before requests start failing."""
+    rising, or before requests start failing (for the load: the success rate of requests not
+    refused for themselves, load_success_rate; a level that sent other prompts may meet more
+    of those)."""
     ordered = sorted(levels)
     if not ordered:
         return {"concurrency": None, "reason": "no levels measured"}

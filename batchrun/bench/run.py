@@ -65,7 +65,7 @@ async def run_bench(
     failed: list[RequestError] = []
 
     def done(cell: Cell) -> None:
-        summary = summarize(cell.records, cell.wall_s)
+        summary = summarize(cell.records, cell.wall_s, cell.repeated)
         cells.append((cell, summary))
         tps = summary["output_throughput"]
         say(
@@ -164,7 +164,7 @@ def _results(
                     r["concurrency"],
                     _throughput(r),
                     r["e2e_ms"]["p95"],
-                    r["success_rate"] or 0.0,
+                    r["load_success_rate"] or 0.0,
                 )
                 for r in rows
                 if r["endpoint"] == endpoint and r["class"] == cls

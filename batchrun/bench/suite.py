@@ -76,14 +76,19 @@ def builtin_suite(count: int = 16, seed: int = SEED) -> Suite:
     def doc(sentences: int) -> str:
         return " ".join(rng.choice(_FACTS) for _ in range(sentences))
 
-    short = tuple(f"In one sentence: what is {rng.choice(_TOPICS)} used for?" for _ in range(count))
+    # Each prompt its own from its first words: one sent twice, or sharing a long start with
+    # another, would be prefilled from the server's prompt cache (its TTFT free of prefill).
+    short = tuple(
+        f"Question {i + 1}: in one sentence, what is {rng.choice(_TOPICS)} used for?"
+        for i in range(count)
+    )
     summary = tuple(
         f"Summarise this report in five bullet points.\n\n{doc(120)}" for _ in range(count)
     )
     code = tuple(
-        f"Write a Python function that parses a CSV of {rng.choice(_TOPICS)} orders "
-        f"and returns the total per day, with tests."
-        for _ in range(count)
+        f"Task {i + 1}: write a Python function that parses a CSV of {rng.choice(_TOPICS)} "
+        f"orders and returns the total per day, with tests."
+        for i in range(count)
     )
     extraction = tuple(
         f"Extract product, price and in_stock as JSON from: 'Offer: {rng.choice(_TOPICS)} for "

@@ -66,8 +66,11 @@ class NativeLlamaServer:
     """One C++ `llama-server` process ("native", against llama-cpp-python's Python server in
     llamacpp.py) with SLOTS parallel slots, and /metrics on unless `metrics=False`."""
 
-    def __init__(self, binary: Path, log: Path, *, metrics: bool = True) -> None:
+    def __init__(
+        self, binary: Path, log: Path, *, metrics: bool = True, slots: int = SLOTS
+    ) -> None:
         self.binary = binary
+        self.slots = slots
         self.with_metrics = metrics
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -79,7 +82,7 @@ class NativeLlamaServer:
         return [
             str(self.binary),
             *("-m", str(MODEL), "--host", "127.0.0.1", "--port", str(self.port)),
-            *("-np", str(SLOTS), "-c", str(CONTEXT)),
+            *("-np", str(self.slots), "-c", str(CONTEXT)),
             *(["--metrics"] if self.with_metrics else []),
             # --threads-http left at its default, as users run it: max(SLOTS + 2, cores - 1)
         ]
