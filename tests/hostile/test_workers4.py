@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 from tests.audit import Outside
+from tests.hostile.test_workers2 import finished
 from tests.integration.conftest import cli, sim_server
 from tests.integration.helpers import CLI, sim_stats, write_prompts
 from tests.postgres import fresh_database
@@ -29,16 +30,6 @@ def loaded(cli: CLI, tmp_path: Path, job: str, items: int, *ledger: str) -> None
     write_prompts(inp, items)
     done = cli.run(*ledger, "submit", str(inp), "--no-run", "--quiet")
     assert done.returncode == 0, done.stderr
-
-
-def finished(proc: subprocess.Popen[str], timeout: float = 90) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        raise AssertionError(f"worker still running after {timeout}s: {err[-2000:]}") from None
-    return proc.returncode, out, err
 
 
 def until(what: Callable[[], object], timeout: float = 60, every: float = 0.05) -> object:
@@ -93,12 +84,12 @@ def test_lines_a_woken_worker_lost_and_claims_again_are_never_sent(
         b = str(until(lambda: worker_of(db, taker.pid)))
         until(lambda: held_by(db, "lost", b) > 0)
         taker.send_signal(signal.SIGTERM)  # it leaves: its claims go back to pending at once
-        finished(taker)
+        finished(taker, 90)
     finally:
         if taker is not None and taker.poll() is None:
             taker.kill()
         frozen.send_signal(signal.SIGCONT)
-    code, _, _ = finished(frozen)
+    code, _, _ = finished(frozen, 90)
     counts = db.counts("lost")
     assert counts == {"done": 40}, (
         f"the woken worker, alone on the job, ended (exit {code}) with {counts}: the lines it "
@@ -132,11 +123,11 @@ def test_a_rejoin_cuts_a_live_worker_s_longer_lease_to_its_own_and_then_takes_it
         short.send_signal(signal.SIGSTOP)
         time.sleep(4)  # past its own 2 s lease (far inside the live worker's 120 s)
         short.send_signal(signal.SIGCONT)
-        code, _, _ = finished(short)
+        code, _, _ = finished(short, 90)
     finally:
         if short is not None and short.poll() is None:
             short.kill()
-        live_code, _, _ = finished(live)
+        live_code, _, _ = finished(live, 90)
     resent = sim_stats(fast)["requests"]
     assert resent == 0, (
         f"the worker back from its freeze (lease 2 s, exit {code}) sent {resent} of the 32 lines "
@@ -168,7 +159,7 @@ def test_a_worker_woken_after_gc_collected_its_job_does_not_say_it_finished_it(
         assert collected.returncode == 0 and "removed 1 job" in collected.stderr, collected
     finally:
         frozen.send_signal(signal.SIGCONT)
-    code, _, err = finished(frozen)
+    code, _, err = finished(frozen, 90)
     results = cli.home / "outputs" / "gone.jsonl"
     written = len(results.read_text().splitlines()) if results.exists() else None
     assert code != 0 and written is None, (
@@ -212,11 +203,11 @@ def test_a_join_that_waited_past_the_lease_for_the_job_s_lock_lets_in_other_answ
             time.sleep(max(0.0, 23 - (time.monotonic() - held_from)))  # past the lease
             lock.commit()
             lock.close()
-            code, _, err = finished(other)
+            code, _, err = finished(other, 90)
         finally:
             if other is not None and other.poll() is None:
                 other.kill()
-            live_code, _, live_err = finished(live)
+            live_code, _, live_err = finished(live, 90)
         stored = db.query("SELECT spec FROM jobs WHERE name = 'lk'")[0][0]
         specs = db.query("SELECT answer_spec, count(*) FROM items GROUP BY answer_spec")
     assert code == 2, (
